@@ -1,0 +1,26 @@
+"""ForwardBatch: the metadata of one forward pass over a flat mix of prefill chunks and decodes.
+
+T tokens of B sequences laid end to end. Built on the host by the model runner, copied to
+the device once per tensor, and passed explicitly down the model (no module-global context).
+"""
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64, position of each token in its sequence
+    cu_seqlens_q: torch.Tensor   # [B+1] int32, offsets of each sequence's tokens in T
+    seq_lens: torch.Tensor       # [B] int32, context length after this step (cached + new)
+    block_tables: torch.Tensor   # [B, M] int32, KV block ids per sequence (-1 padded)
+    slot_mapping: torch.Tensor   # [T] int64, flat KV slot each new token's K/V is written to
+    logits_indices: torch.Tensor  # [N] int64, rows of T whose logits are wanted
+    max_seqlen_q: int            # longest query span in this batch (1 = pure decode)
+    num_seqs: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]

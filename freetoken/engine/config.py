@@ -1,0 +1,29 @@
+"""EngineConfig: what the engine is asked for, and the resolved values it runs with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"             # "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"             # auto = the checkpoint's dtype
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # None: sized from free memory (see model_runner)
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_gb: float = 4.0    # cap for the KV cache on the CPU
+    skip_tokenizer_init: bool = False
+    kernel_backend: str = "auto"    # auto | triton | reference
+
+    def __post_init__(self):
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be positive")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must be at least one block ({self.block_size})")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")

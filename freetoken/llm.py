@@ -1,0 +1,117 @@
+"""The offline Python API, with vLLM's names: LLM, SamplingParams, llm.generate, llm.logits.
+
+    from freetoken import LLM, SamplingParams
+    llm = LLM("path/or/org-name", device="cpu")
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
+    print(out[0].text)
+
+generate() feeds every prompt to the same continuous-batching EngineCore that `ft serve`
+runs, and steps it until all are done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from freetoken.engine.config import EngineConfig
+from freetoken.engine.model_runner import ModelRunner, SeqChunk
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.scheduler.config import SchedulerConfig
+from freetoken.scheduler.core import EngineCore, RequestError
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list | None = None
+
+    @property
+    def outputs(self):   # vLLM keeps the completion one level down; offer both spellings
+        return [self]
+
+
+class LLM:
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "auto",
+                 skip_tokenizer_init: bool = False, max_model_len: int | None = None,
+                 kv_cache_tokens: int | None = None, max_prefill_length: int = 2048,
+                 max_running_requests: int = 64, block_size: int = 16,
+                 kernel_backend: str = "auto"):
+        self.engine_config = EngineConfig(
+            model=model, device=device, dtype=dtype, max_model_len=max_model_len,
+            kv_cache_tokens=kv_cache_tokens, block_size=block_size,
+            skip_tokenizer_init=skip_tokenizer_init, kernel_backend=kernel_backend)
+        self.runner = ModelRunner(self.engine_config)
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from freetoken.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
+        self.engine = EngineCore(self.runner, self.tokenizer,
+                                 SchedulerConfig(max_prefill_length, max_running_requests))
+
+    @property
+    def model_config(self):
+        return self.runner.model_config
+
+    def _encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this LLM was made with skip_tokenizer_init=True: give token ids, not text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError("each prompt must be a string or a list of token ids")
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        encoded = [self._encode(p) for p in prompts]   # all checked before any is queued
+        reqs = []
+        try:
+            for (_, ids), sp in zip(encoded, per_prompt):
+                reqs.append(self.engine.add_request(ids, sp))
+        except RequestError:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
+        texts = {r.request_id: [] for r in reqs}
+        logprobs = {r.request_id: [] for r in reqs}
+        while self.engine.has_work:
+            for d in self.engine.step():
+                if d.request_id in texts:
+                    texts[d.request_id].append(d.text)
+                    if d.logprobs:
+                        logprobs[d.request_id].extend(d.logprobs)
+        return [RequestOutput(r.request_id, text, r.prompt_token_ids, r.output_token_ids,
+                              "".join(texts[r.request_id]),
+                              r.finish_reason.value if r.finish_reason else None, r.stop_reason,
+                              logprobs[r.request_id] if r.params.logprobs is not None else None)
+                for r, (text, _) in zip(reqs, encoded)]
+
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Float32 logits [T, vocab] for every position of `token_ids`, computed through the
+        engine's paged-KV forward (optionally in prefill chunks of chunk_size)."""
+        self.engine.check_prompt(list(token_ids), None, room_to_generate=False)
+        alloc = self.runner.allocator
+        n = len(token_ids)
+        blocks = alloc.allocate(alloc.blocks_for(n))
+        try:
+            step = chunk_size or n
+            rows = [self.runner.run([SeqChunk(list(token_ids[s:s + step]), s, blocks, True)],
+                                    all_logits=True) for s in range(0, n, step)]
+        finally:
+            alloc.free(blocks)
+        return torch.cat(rows).cpu()

@@ -1,0 +1,208 @@
+"""Find a checkpoint, check it, and load its safetensors into a family's modules.
+
+Checkpoints are read lazily: safetensors files are memory-mapped and each tensor is copied
+straight into its parameter, so peak host memory is the model plus one tensor. Before any
+weight is read, the bytes the model needs are compared with what the device has free, so a
+model larger than memory fails at once with a clear error rather than by thrashing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from freetoken.models.config import ModelConfig, read_config_json
+from freetoken.models.layers import ExpertBank, MoeForCausalLM
+from freetoken.models.registry import family_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Keys some checkpoints carry that no forward reads.
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.mtp\.)")
+# model.layers.{i}.{mlp|block_sparse_moe}.experts.{e}.{proj}.weight
+_EXPERT_KEY = re.compile(r"^(?P<bank>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+# transformers v5's fused layout: ....experts.gate_up_proj [E, 2I, D] / .experts.down_proj [E, D, I]
+_FUSED_KEY = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint cannot be found, read, or does not fit."""
+
+
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A local folder, or a hub id (`org/name`) found in the local Hugging Face cache.
+
+    FreeToken never downloads: an id that is not cached is an error naming it.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    text = str(model)
+    if path.exists():
+        raise CheckpointError(f"model path {text!r} is a file; give the checkpoint's folder")
+    if re.fullmatch(r"[\w.\-]+/[\w.\-]+", text):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        try:
+            return Path(snapshot_download(text, local_files_only=True))
+        except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
+            raise CheckpointError(
+                f"model {text!r} is not a local folder and is not in the Hugging Face cache; "
+                f"FreeToken does not download. Fetch it first (`hf download {text}`) or pass "
+                f"a folder.") from e
+    raise CheckpointError(f"model {text!r} is neither a folder nor a hub id (org/name)")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors shards, checked for presence against the index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot parse {index}: {e}") from e
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index.name} lists shards that are absent from {model_dir}: "
+                                  f"{', '.join(missing)}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = cfg.torch_dtype if dtype == "auto" else dtype
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32"}.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[name]
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def build_model(model_dir: Path, device: torch.device, dtype) -> tuple[MoeForCausalLM, ModelConfig]:
+    """Parse config.json, choose the family and allocate its (unloaded) parameters."""
+    raw = read_config_json(model_dir)
+    family = family_for(raw)
+    cfg = family.parse(raw, model_dir)
+    dtype = resolve_dtype(dtype, cfg)
+    with torch.device("meta"):
+        model = family.MODEL_CLASS(cfg)
+    model = model.to(dtype)
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    have = _available_bytes(device)
+    if need > have * 0.95:
+        raise CheckpointError(
+            f"the model needs {need / 2**30:.2f} GiB of weights in {str(dtype)[6:]} but "
+            f"{device} has {have / 2**30:.2f} GiB free")
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:          # to_empty allocates each module's tensors apart
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model, cfg
+
+
+def load_weights(model: MoeForCausalLM, files: list[Path],
+                 progress: Callable[[int, int], None] | None = None) -> None:
+    """Copy every tensor of the checkpoint into its parameter; every parameter must be set."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    banks = {name: mod for name, mod in model.named_modules() if isinstance(mod, ExpertBank)}
+    expected = {n for n in params if not (model.config.tie_word_embeddings and n == "lm_head.weight")}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    total = sum(f.stat().st_size for f in files)
+    done = 0
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if _IGNORED.search(key):
+                        continue
+                    name = _load_one(key, f, params, banks, model.config)
+                    if name is None:
+                        unexpected.append(key)
+                    else:
+                        loaded.add(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error type for corrupt files
+            raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e} "
+                                  f"(corrupt or truncated safetensors file?)") from e
+        done += path.stat().st_size
+        if progress:
+            progress(done, total)
+    if unexpected:
+        raise CheckpointError(f"checkpoint has {len(unexpected)} tensors this "
+                              f"{type(model).__name__} does not use, e.g. {unexpected[:5]}")
+    missing = _missing(expected, loaded, banks)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+
+
+def _load_one(key, f, params, banks, cfg) -> str | None:
+    if key == "lm_head.weight" and cfg.tie_word_embeddings:
+        return "lm_head.weight"
+    m = _EXPERT_KEY.match(key)
+    if m and m["bank"] in banks and m["proj"] in ExpertBank.PROJ:
+        return f"{m['bank']}.{banks[m['bank']].load_expert(int(m['e']), m['proj'], f.get_tensor(key))}"
+    source = key
+    head, _, leaf = key.rpartition(".")
+    if head in banks and leaf in _FUSED_KEY:
+        key = f"{head}.{_FUSED_KEY[leaf]}"
+    if key not in params:
+        return None
+    tensor, param = f.get_tensor(source), params[key]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise CheckpointError(f"tensor {key}: checkpoint shape {tuple(tensor.shape)}, "
+                              f"model expects {tuple(param.shape)} (config.json disagrees with weights)")
+    with torch.no_grad():
+        param.copy_(tensor)
+    return key
+
+
+def _missing(expected: set[str], loaded: set[str], banks: dict) -> set[str]:
+    missing = set()
+    for name in expected:
+        bank_name, _, leaf = name.rpartition(".")
+        if bank_name in banks and leaf in ("w13", "w2"):
+            bank = banks[bank_name]
+            parts = [".gate", ".up"] if leaf == "w13" else [""]
+            for e in range(bank.num_experts):
+                whole = name in loaded
+                if not whole and not all(f"{bank_name}.{leaf}[{e}]{p}" in loaded for p in parts):
+                    missing.add(f"{bank_name}.{e} ({leaf})")
+        elif name not in loaded:
+            missing.add(name)
+    return missing
+
+
+def load_model(model: str | os.PathLike, device="cpu", dtype="auto",
+               progress: Callable[[int, int], None] | None = None):
+    """Resolve, check and load a checkpoint. Returns (model in eval mode, ModelConfig, folder)."""
+    model_dir = resolve_model_path(model)
+    files = checkpoint_files(model_dir)
+    device = torch.device(device)
+    module, cfg = build_model(model_dir, device, dtype)
+    load_weights(module, files, progress)
+    return module.eval().requires_grad_(False), cfg, model_dir

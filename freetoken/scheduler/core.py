@@ -1,0 +1,189 @@
+"""EngineCore: the step loop's body, shared by `LLM.generate` and `ft serve`.
+
+step() reads like its stages: schedule (which tokens of which requests) -> run (one batched
+forward) -> postprocess (sample, append, stop checks, detokenize, free finished requests).
+It is synchronous; the server calls it from its event loop between I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+from freetoken.engine.model_runner import ModelRunner, SeqChunk
+from freetoken.engine.sampler import SampleRow, sample
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.scheduler.config import SchedulerConfig
+from freetoken.scheduler.output import TextStream
+from freetoken.scheduler.request import FinishReason, Request, RequestStatus
+from freetoken.scheduler.scheduler import ScheduledChunk, Scheduler
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (too long, bad ids); `param` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass
+class RequestDelta:
+    """What one step produced for one request."""
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list | None = None      # per new token: (logprob, [(id, logprob)]) or None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_generated: int = 0
+    prompt_tokens_computed: int = 0
+    max_batch_seqs: int = 0            # the most sequences one forward carried
+    last_step_s: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(scheduler_config, runner.allocator)
+        self.requests: dict[str, Request] = {}
+        self.streams: dict[str, TextStream] = {}
+        self.stats = EngineStats()
+        self.eos_ids = set(runner.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+        self.vocab_size = runner.model_config.vocab_size
+        self.max_model_len = runner.max_model_len
+        self._ids = itertools.count()
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        self.check_prompt(prompt_token_ids, params.max_tokens)
+        n = len(prompt_token_ids)
+        room = self.max_model_len - n
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        req = Request(request_id, prompt_token_ids, params, params.max_tokens or room)
+        self.requests[request_id] = req
+        if self.tokenizer is not None:
+            self.streams[request_id] = TextStream(self.tokenizer, params)
+        self.scheduler.add(req)
+        return req
+
+    def check_prompt(self, prompt_token_ids: list[int], max_tokens: int | None,
+                     room_to_generate: bool = True) -> None:
+        """Raises RequestError when the prompt cannot run: empty, ids outside the vocabulary,
+        or longer than the context allows (with max_tokens, when given)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               "prompt")
+        if n > self.max_model_len or (room_to_generate and n == self.max_model_len):
+            raise RequestError(f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
+                               f"tokens" + (", which leaves no room to generate" if room_to_generate else ""),
+                               "messages")
+        if max_tokens is not None and max_tokens > self.max_model_len - n:
+            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds "
+                               f"the model's context of {self.max_model_len} tokens", "max_tokens")
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.remove(req)
+        req.finish(FinishReason.ABORT)
+        self.streams.pop(request_id, None)
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.run([self._chunk(s) for s in scheduled])
+        deltas = self._postprocess(scheduled, logits)
+        self.stats.steps += 1
+        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(scheduled))
+        self.stats.last_step_s = time.perf_counter() - t0
+        return deltas
+
+    def _chunk(self, s: ScheduledChunk) -> SeqChunk:
+        r = s.request
+        start = r.num_computed_tokens
+        return SeqChunk(r.token_ids(start, start + s.num_tokens), start, r.block_ids, s.samples)
+
+    def _postprocess(self, scheduled: list[ScheduledChunk], logits) -> list[RequestDelta]:
+        sampling = [s.request for s in scheduled if s.samples]
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+            if s.request.num_output_tokens == 0:
+                self.stats.prompt_tokens_computed += s.num_tokens
+        if not sampling:
+            return []
+        result = sample(logits, [self._sample_row(r) for r in sampling])
+        deltas = []
+        now = time.monotonic()
+        for req, token, lp in zip(sampling, result.token_ids, result.logprobs):
+            req.output_token_ids.append(token)
+            req.first_token_time = req.first_token_time or now
+            self.stats.tokens_generated += 1
+            deltas.append(self._advance(req, token, lp))
+        return deltas
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        banned = ()
+        if req.num_output_tokens < req.params.min_tokens:
+            banned = tuple(req.params.stop_token_ids) + (() if req.params.ignore_eos else tuple(self.eos_ids))
+        return SampleRow(req.params, req.generator, banned)
+
+    def _advance(self, req: Request, token: int, lp) -> RequestDelta:
+        """Stop checks for the new token, then its text."""
+        p = req.params
+        reason, stop = None, None
+        if token in p.stop_token_ids:
+            reason, stop = FinishReason.STOP, token
+        elif not p.ignore_eos and token in self.eos_ids:
+            reason, stop = FinishReason.STOP, token
+        stream = self.streams.get(req.request_id)
+        text = ""
+        if stream is not None and reason is None:
+            text, hit = stream.add(token)
+            if hit is not None:
+                reason, stop = FinishReason.STOP, hit
+        if reason is None and (req.num_output_tokens >= req.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if stream is not None and not isinstance(stop, str):
+                text += stream.finish()   # a stop string already cut the text where it starts
+            self._finish(req, reason, stop)
+        return RequestDelta(req.request_id, [token], text, reason is not None,
+                            reason.value if reason else None, stop,
+                            [lp] if lp is not None else None,
+                            req.num_prompt_tokens, req.num_output_tokens)
+
+    def _finish(self, req: Request, reason: FinishReason, stop) -> None:
+        req.finish(reason, stop)
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.streams.pop(req.request_id, None)

@@ -1,0 +1,70 @@
+"""Request: one generation's state as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from freetoken.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # EOS, a stop token id or a stop string
+    LENGTH = "length"      # max_tokens or the context length
+    ABORT = "abort"        # client went away or the server is shutting down
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.max_tokens = max_tokens          # resolved: params.max_tokens or what context allows
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None  # the stop string or token that ended it
+        self.num_computed_tokens = 0          # tokens whose K/V are in the cache
+        self.block_ids: list[int] = []
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason=None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason

@@ -1,0 +1,26 @@
+"""FreeToken's kernel layer: one file per hot op, each a Triton kernel beside its torch reference.
+
+Every public op dispatches on its input: CUDA tensors with Triton available run the Triton
+kernel, anything else runs the torch reference (which is also the correctness oracle).
+This package knows nothing of requests, models or the server: it imports torch and triton only.
+"""
+
+from triton_kernels._dispatch import set_backend, get_backend
+from triton_kernels.rms_norm import rms_norm, rms_norm_reference
+from triton_kernels.rope import apply_rope, apply_rope_reference
+from triton_kernels.silu_mul import silu_and_mul, silu_and_mul_reference
+from triton_kernels.topk_softmax import topk_softmax, topk_softmax_reference
+from triton_kernels.fused_moe import fused_moe, fused_moe_reference
+from triton_kernels.kv_write import write_kv, write_kv_reference
+from triton_kernels.paged_attention import paged_attention, paged_attention_reference
+
+__all__ = [
+    "set_backend", "get_backend",
+    "rms_norm", "rms_norm_reference",
+    "apply_rope", "apply_rope_reference",
+    "silu_and_mul", "silu_and_mul_reference",
+    "topk_softmax", "topk_softmax_reference",
+    "fused_moe", "fused_moe_reference",
+    "write_kv", "write_kv_reference",
+    "paged_attention", "paged_attention_reference",
+]

@@ -1,0 +1,41 @@
+"""Which implementation a public op runs: the Triton kernel or the torch reference.
+
+The engine sets the backend once at startup from its config ("auto" resolves per tensor:
+Triton for CUDA tensors when triton imports, the reference otherwise). Tests force
+"reference" to compare, and kernel tests call the `_triton` launchers directly.
+"""
+
+import functools
+
+_BACKENDS = ("auto", "triton", "reference")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"kernel backend must be one of {_BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_triton(t) -> bool:
+    """True when an op on tensor `t` should run its Triton kernel."""
+    if _backend == "reference":
+        return False
+    if _backend == "triton":
+        return True
+    return t.is_cuda and triton_available()
