@@ -201,8 +201,8 @@ def load_model(model: str | os.PathLike, device="cpu", dtype="auto",
                progress: Callable[[int, int], None] | None = None):
     """Resolve, check and load a checkpoint. Returns (model in eval mode, ModelConfig, folder)."""
     model_dir = resolve_model_path(model)
-    files = checkpoint_files(model_dir)
     device = torch.device(device)
-    module, cfg = build_model(model_dir, device, dtype)
+    module, cfg = build_model(model_dir, device, dtype)   # config and family errors first
+    files = checkpoint_files(model_dir)
     load_weights(module, files, progress)
     return module.eval().requires_grad_(False), cfg, model_dir

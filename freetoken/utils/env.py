@@ -1,0 +1,77 @@
+"""Every FREETOKEN_* environment variable, read here and nowhere else, with typed accessors.
+
+Each accessor reads the variable when called, so tests can set them per case.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _float(name: str, default: float) -> float:
+    raw = _get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+
+
+def _bool(name: str, default: bool) -> bool:
+    raw = _get(name)
+    if raw is None:
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0/1/true/false, got {raw!r}")
+
+
+def api_key() -> str | None:
+    """FREETOKEN_API_KEY: the key clients must send (the --api-key flag wins)."""
+    return _get("FREETOKEN_API_KEY")
+
+
+def cache_dir() -> Path:
+    """Where FreeToken keeps the demo model and tuning results: FREETOKEN_CACHE_DIR, else
+    $XDG_CACHE_HOME/freetoken, else ~/.cache/freetoken."""
+    explicit = _get("FREETOKEN_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = _get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "freetoken"
+
+
+def debug_load_delay_s() -> float:
+    """FREETOKEN_DEBUG_LOAD_DELAY_S: sleep this long while loading (to test /health while loading)."""
+    return _float("FREETOKEN_DEBUG_LOAD_DELAY_S", 0.0)
+
+
+def debug_step_delay_s() -> float:
+    """FREETOKEN_DEBUG_STEP_DELAY_S: sleep this long in every engine step (to test stalls)."""
+    return _float("FREETOKEN_DEBUG_STEP_DELAY_S", 0.0)
+
+
+def log_level() -> str | None:
+    return _get("FREETOKEN_LOG_LEVEL")
+
+
+def prefetch_model() -> bool:
+    """FREETOKEN_PREFETCH_MODEL: advise the kernel to read the checkpoint in at boot (default on)."""
+    return _bool("FREETOKEN_PREFETCH_MODEL", True)
+
+
+def keep_resident_s() -> float:
+    """FREETOKEN_KEEP_RESIDENT_S: re-advise the checkpoint every N seconds (default 120; 0 = off)."""
+    value = _float("FREETOKEN_KEEP_RESIDENT_S", 120.0)
+    if value < 0:
+        raise ValueError("FREETOKEN_KEEP_RESIDENT_S must be >= 0")
+    return value
