@@ -40,6 +40,7 @@ class RequestDelta:
     logprobs: list | None = None      # per new token: (logprob, [(id, logprob)]) or None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    prefill: dict | None = None        # with instrument_prefill, on the finishing delta
 
 
 @dataclasses.dataclass
@@ -51,9 +52,45 @@ class EngineStats:
     last_step_s: float = 0.0
 
 
+class PrefillTimer:
+    """FREETOKEN_INSTRUMENT_PREFILL: times each forward that carries prefill tokens (CUDA
+    events on the GPU, a monotonic clock on the CPU) and charges it to every request that
+    prefilled in it, summed across chunks. A forward shared by several prefilling requests
+    is marked shared rather than split, since how to divide it is not knowable."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def run(self, runner, chunks, scheduled):
+        prefilling = [s.request for s in scheduled
+                      if s.request.num_computed_tokens < s.request.num_prompt_tokens]
+        if not prefilling:
+            return runner.run(chunks)
+        if self.cuda:
+            import torch
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = runner.run(chunks)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            logits = runner.run(chunks)
+            seconds = time.perf_counter() - t0
+        tokens = {id(s.request): s.num_tokens for s in scheduled}
+        for req in prefilling:
+            req.prefill_s += seconds
+            req.prefill_tokens += tokens[id(req)]
+            req.prefill_shared |= len(prefilling) > 1
+        return logits
+
+
 class EngineCore:
-    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig):
+    def __init__(self, runner: ModelRunner, tokenizer, scheduler_config: SchedulerConfig,
+                 instrument_prefill: bool = False):
         self.runner = runner
+        self.prefill_timer = PrefillTimer(runner.device) if instrument_prefill else None
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(scheduler_config, runner.allocator)
         self.requests: dict[str, Request] = {}
@@ -120,7 +157,11 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        logits = self.runner.run([self._chunk(s) for s in scheduled])
+        chunks = [self._chunk(s) for s in scheduled]
+        if self.prefill_timer is not None:
+            logits = self.prefill_timer.run(self.runner, chunks, scheduled)
+        else:
+            logits = self.runner.run(chunks)
         deltas = self._postprocess(scheduled, logits)
         self.stats.steps += 1
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(scheduled))
@@ -180,7 +221,8 @@ class EngineCore:
         return RequestDelta(req.request_id, [token], text, reason is not None,
                             reason.value if reason else None, stop,
                             [lp] if lp is not None else None,
-                            req.num_prompt_tokens, req.num_output_tokens)
+                            req.num_prompt_tokens, req.num_output_tokens,
+                            req.prefill_report() if reason is not None else None)
 
     def _finish(self, req: Request, reason: FinishReason, stop) -> None:
         req.finish(reason, stop)

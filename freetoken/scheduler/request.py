@@ -38,6 +38,9 @@ class Request:
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.prefill_s = 0.0                  # with instrument_prefill: forward time of its prefill
+        self.prefill_tokens = 0
+        self.prefill_shared = False
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -68,3 +71,10 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+    def prefill_report(self) -> dict | None:
+        if not self.prefill_tokens:
+            return None
+        return {"prefill_s": round(self.prefill_s, 6), "prefill_tokens": self.prefill_tokens,
+                "prefill_tokens_per_s": round(self.prefill_tokens / self.prefill_s, 1) if self.prefill_s else None,
+                "shared": self.prefill_shared}

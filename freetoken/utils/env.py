@@ -75,3 +75,13 @@ def keep_resident_s() -> float:
     if value < 0:
         raise ValueError("FREETOKEN_KEEP_RESIDENT_S must be >= 0")
     return value
+
+
+def server_url() -> str:
+    """FREETOKEN_URL: the server `ft ctl` talks to (default http://127.0.0.1:1919)."""
+    return _get("FREETOKEN_URL") or "http://127.0.0.1:1919"
+
+
+def instrument_prefill() -> bool:
+    """FREETOKEN_INSTRUMENT_PREFILL=1: time each prefill forward and report it per request."""
+    return _bool("FREETOKEN_INSTRUMENT_PREFILL", False)
