@@ -1,0 +1,34 @@
+"""`ft ctl health|stats|models`: a thin client for people and scripts that do not want curl.
+
+The address comes from --url or FREETOKEN_URL, the key from --api-key or FREETOKEN_API_KEY.
+Prints the server's JSON; exits 0 on a 2xx answer, 1 on an error answer, 2 if unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+PATHS = {"health": "/health", "stats": "/v1/stats", "models": "/v1/models",
+         "instrumentation": "/v1/instrumentation"}
+
+
+def run(what: str, url: str, api_key: str | None, timeout: float = 10.0) -> int:
+    req = urllib.request.Request(url.rstrip("/") + PATHS[what])
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (urllib.error.URLError, OSError) as e:
+        print(f"ft ctl: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
+        return 2
+    try:
+        print(json.dumps(json.loads(raw), indent=2))
+    except ValueError:
+        print(raw.decode(errors="replace"))
+    return 0 if 200 <= status < 300 else 1

@@ -1,0 +1,152 @@
+"""AsyncEngine: the continuous-batching loop as a task on the server's event loop.
+
+Requests are submitted from HTTP handlers and get a RequestStream to iterate. The loop runs
+EngineCore.step() while there is work, hands each request its deltas, and yields to the
+event loop after every step so sockets are served between forwards. When idle it sleeps on
+an event that submit() sets. A failing step fails the requests it carried, not the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.scheduler.core import EngineCore, RequestDelta
+from freetoken.scheduler.metrics import EngineMetrics
+
+log = logging.getLogger("freetoken.scheduler")
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while running this request."""
+
+
+class RequestStream:
+    """The deltas of one request, in order; iterate with `async for`."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_prompt_tokens: int):
+        self.engine = engine
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.num_output_tokens = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """The client went away: drop the request and free its KV blocks now (between steps)."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, step_delay_s: float = 0.0):
+        self.core = core
+        self.step_delay_s = step_delay_s
+        self.streams: dict[str, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self.metrics = EngineMetrics(core)
+        self.recent: collections.deque = collections.deque(maxlen=32)  # finished, for /v1/stats
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request; raises RequestError (a 400) when it cannot run."""
+        req = self.core.add_request(prompt_token_ids, params, request_id)
+        stream = RequestStream(self, req.request_id, req.num_prompt_tokens)
+        self.streams[req.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if self.core.abort(request_id) and stream is not None:
+            self.metrics.on_finish(stream, "abort", stream.num_output_tokens)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.core.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.core.scheduler.waiting)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            if not self.core.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                t0 = time.perf_counter()
+                deltas = self.core.step()
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)   # debug: a stalled engine blocks the loop
+                self.metrics.on_step(time.perf_counter() - t0)
+            except Exception as e:   # noqa: BLE001 - one bad step must not kill the server
+                log.exception("engine step failed; failing the requests it carried")
+                self._fail_all(EngineFailure(f"engine step failed: {type(e).__name__}: {e}"))
+                await asyncio.sleep(0)
+                continue
+            now = time.monotonic()
+            for d in deltas:
+                stream = self.streams.get(d.request_id)
+                if stream is not None:
+                    stream.num_output_tokens = d.num_output_tokens
+                    self.metrics.on_delta(stream, d, now)
+                    stream.queue.put_nowait(d)
+                    if d.finished:
+                        self.streams.pop(d.request_id, None)
+                        self.recent.append(self._summary(stream, d))
+            await asyncio.sleep(0)   # serve sockets between forwards
+
+    @staticmethod
+    def _summary(stream: RequestStream, d: RequestDelta) -> dict:
+        ttft = stream.first_token_at - stream.arrival if stream.first_token_at else None
+        out = {"id": d.request_id, "prompt_tokens": d.num_prompt_tokens,
+               "output_tokens": d.num_output_tokens, "finish_reason": d.finish_reason,
+               "ttft_s": round(ttft, 6) if ttft is not None else None}
+        if d.prefill is not None:
+            out["prefill"] = d.prefill
+        return out
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid, stream in list(self.streams.items()):
+            self.core.abort(rid)
+            stream.queue.put_nowait(error)
+        self.streams.clear()
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Let running requests finish for up to timeout_s, then abort the rest."""
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self._fail_all(EngineFailure("the server is shutting down"))
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.wait([self._task], timeout=1.0)

@@ -1,0 +1,177 @@
+"""ServingApp: the served model's state and the routes of `ft serve`.
+
+The HTTP server answers from the moment its socket is bound; the model loads in a worker
+thread meanwhile, with /health reporting the phase and bytes loaded. Every /v1 route passes
+one guard first: the API key (when one is set), then readiness (503 while loading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from freetoken.engine.config import EngineConfig
+from freetoken.scheduler.async_engine import AsyncEngine, RequestStream
+from freetoken.scheduler.config import SchedulerConfig
+from freetoken.scheduler.core import EngineCore, RequestError
+from freetoken.server.config import ServerConfig
+from freetoken.server.errors import HTTPError
+from freetoken.server.http import Router
+from freetoken.server.openai.chat import chat_completions
+from freetoken.server.openai.completions import completions
+from freetoken.utils import env
+
+log = logging.getLogger("freetoken.server")
+
+
+class ServingApp:
+    def __init__(self, server: ServerConfig, engine: EngineConfig, scheduler: SchedulerConfig):
+        self.server_config = server
+        self.engine_config = engine
+        self.scheduler_config = scheduler
+        self.status = "loading"          # loading -> ok | error
+        self.phase = "starting"
+        self.done_bytes = 0
+        self.total_bytes = 0
+        self.error: str | None = None
+        self.engine: AsyncEngine | None = None
+        self.tokenizer = None
+        self.max_model_len = 0
+        self.started = time.time()
+        self.keep_resident = None
+        self.router = self._routes()
+
+    # -- loading --------------------------------------------------------------------------
+    async def load(self) -> None:
+        """Load the model off the event loop, then start the engine loop on it."""
+        try:
+            core = await asyncio.get_running_loop().run_in_executor(None, self._load_blocking)
+        except Exception as e:  # noqa: BLE001 - reported on /health; the process stays up
+            log.exception("loading failed")
+            self.status, self.error = "error", f"{type(e).__name__}: {e}"
+            return
+        self.engine = AsyncEngine(core, step_delay_s=env.debug_step_delay_s())
+        self.engine.start()
+        self.status, self.phase = "ok", "ready"
+        log.info("ready: serving %s (context %d tokens)", self.server_config.served_model_name,
+                 self.max_model_len)
+
+    def _load_blocking(self) -> EngineCore:
+        from freetoken.engine.model_runner import ModelRunner
+        from freetoken.tokenizer import Tokenizer
+
+        from freetoken.models.loader import resolve_model_path
+        from freetoken.utils.prefetch import prefetch_checkpoint
+
+        self.phase = "loading weights"
+        delay = env.debug_load_delay_s()
+        if delay:
+            time.sleep(delay)
+        self.keep_resident = prefetch_checkpoint(resolve_model_path(self.engine_config.model),
+                                                 env.keep_resident_s(), at_boot=env.prefetch_model())
+        runner = ModelRunner(self.engine_config, progress=self._progress)
+        self.phase = "loading tokenizer"
+        self.tokenizer = Tokenizer.from_dir(runner.model_dir)
+        self.max_model_len = runner.max_model_len
+        return EngineCore(runner, self.tokenizer, self.scheduler_config,
+                          instrument_prefill=env.instrument_prefill())
+
+    def _progress(self, done: int, total: int) -> None:
+        self.done_bytes, self.total_bytes = done, total
+
+    async def shutdown(self, timeout_s: float) -> None:
+        if self.engine is not None:
+            await self.engine.shutdown(timeout_s)
+        if self.keep_resident is not None:
+            self.keep_resident.stop()
+
+    # -- shared by the dialects -------------------------------------------------------------
+    def check_model(self, body: dict) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        name = body.get("model")
+        served = self.server_config.served_model_name
+        if name is None:
+            return served
+        if not isinstance(name, str):
+            raise HTTPError(400, "'model' must be a string", type="invalid_request_error", param="model")
+        if name not in (served, self.server_config.model_path):
+            raise HTTPError(404, f"The model '{name}' does not exist; this server serves '{served}'",
+                            type="invalid_request_error", param="model", code="model_not_found")
+        return name
+
+    def render_chat(self, messages: list[dict], tools, template_kwargs: dict) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs)
+        except (ValueError, TypeError, KeyError) as e:
+            raise HTTPError(400, f"cannot render the chat template: {e}",
+                            type="invalid_request_error", param="messages") from None
+
+    def submit(self, prompt_ids: list[int], params) -> RequestStream:
+        try:
+            return self.engine.submit(prompt_ids, params)
+        except RequestError as e:
+            raise HTTPError(400, str(e), type="invalid_request_error", param=e.param) from None
+
+    # -- routes ---------------------------------------------------------------------------
+    def _routes(self) -> Router:
+        r = Router()
+        r.add("GET", "/health", self.health)
+        r.add("GET", "/v1/models", self.models)
+        r.add("GET", "/v1/stats", self.stats)
+        r.add("GET", "/metrics", self.metrics)
+        r.add("POST", "/v1/chat/completions", lambda req, resp: chat_completions(self, req, resp))
+        r.add("POST", "/v1/completions", lambda req, resp: completions(self, req, resp))
+        r.set_guard("/v1/", self.guard)
+        return r
+
+    async def guard(self, request) -> None:
+        key = self.server_config.api_key
+        if key:
+            auth = request.headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                raise HTTPError(401, "Incorrect or missing API key", type="invalid_request_error",
+                                code="invalid_api_key")
+        if self.status == "error":
+            raise HTTPError(503, f"The model failed to load: {self.error}", type="service_unavailable")
+        if self.status != "ok":
+            raise HTTPError(503, f"The model is loading ({self.phase}); retry shortly",
+                            type="service_unavailable", code="model_loading")
+
+    async def health(self, request, response) -> None:
+        if self.status == "error":
+            response.send_json(503, {"status": "error", "detail": self.error})
+        elif self.status == "loading":
+            response.send_json(200, {"status": "loading", "phase": self.phase, "progress": {
+                "done_bytes": self.done_bytes, "total_bytes": self.total_bytes}})
+        else:
+            response.send_json(200, {"status": "ok", "model": self.server_config.served_model_name,
+                                     "uptime_s": round(time.time() - self.started, 1)})
+
+    async def metrics(self, request, response) -> None:
+        """Prometheus text format; scrapers need no key, like /health."""
+        body = self.engine.metrics.registry.render() if self.engine else b""
+        response.send_bytes(200, body, "text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request, response) -> None:
+        name = self.server_config.served_model_name
+        response.send_json(200, {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(self.started), "owned_by": "freetoken",
+            "root": self.server_config.model_path, "max_model_len": self.max_model_len}]})
+
+    async def stats(self, request, response) -> None:
+        core = self.engine.core
+        alloc = core.runner.allocator
+        response.send_json(200, {
+            "running": self.engine.num_running, "waiting": self.engine.num_waiting,
+            "kv_blocks_total": alloc.num_blocks, "kv_blocks_free": alloc.num_free,
+            "kv_block_size": alloc.block_size,
+            "tokens_generated": core.stats.tokens_generated,
+            "prompt_tokens_computed": core.stats.prompt_tokens_computed,
+            "steps": core.stats.steps, "max_batch_seqs": core.stats.max_batch_seqs,
+            "preemptions": core.scheduler.num_preemptions,
+            "recent_requests": list(self.engine.recent),
+        })

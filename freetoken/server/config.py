@@ -1,0 +1,25 @@
+"""ServerConfig: what `ft serve` listens on and how it answers, frozen and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 1919
+    served_model_name: str = ""
+    model_path: str = ""
+    api_key: str | None = None
+    max_body_bytes: int = 32 * 2**20
+    shutdown_timeout_s: float = 10.0
+    ping_interval_s: float = 15.0
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must be >= 0")

@@ -1,0 +1,106 @@
+"""Start a real `ft serve` process on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir, *flags, env: dict | None = None, wait_ready: bool = True,
+                 api_key: str | None = None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "freetoken.cli", "serve", str(model_dir), "--port", str(self.port),
+               "--device", "cpu", *flags]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = f"/tmp/ft-serve-{self.port}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
+        self.wait_listening()
+        if wait_ready:
+            self.wait_ready()
+
+    def logs(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def wait_listening(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ft serve exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"ft serve did not listen in {timeout}s:\n{self.logs()}")
+
+    def wait_ready(self, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status, body = self.health()
+            if body.get("status") == "ok":
+                return body
+            if body.get("status") == "error":
+                raise RuntimeError(f"model failed to load: {body}\n{self.logs()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"not ready in {timeout}s:\n{self.logs()}")
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None):
+        """A plain HTTP request; returns (status, parsed JSON or raw bytes)."""
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        hdrs = {"Content-Type": "application/json", **(headers or {})}
+        if self.api_key and "Authorization" not in hdrs and "x-api-key" not in hdrs:
+            hdrs["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers=hdrs)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                raw = r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
