@@ -1,0 +1,94 @@
+"""Operations against a real `ft serve`: /metrics, prefill instrumentation, `ft ctl`, and the
+stall sentinel on a healthy and on a stalled server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from freetoken.demo.tiny_model import make_tiny_model
+    out = tmp_path_factory.mktemp("ops") / "tiny"
+    make_tiny_model(out, family="qwen3_moe", seed=2, max_position_embeddings=512)
+    return out
+
+
+def scrape(server) -> dict:
+    status, raw = server.request("GET", "/metrics")
+    assert status == 200
+    values = {}
+    for family in text_string_to_metric_families(raw.decode() if isinstance(raw, bytes) else raw):
+        for s in family.samples:
+            values[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return values
+
+
+def test_metrics_move_and_prefill_instrumented(model_dir, tmp_path):
+    with ServerProcess(model_dir, "--max-prefill-length", "16",
+                       env={"FREETOKEN_INSTRUMENT_PREFILL": "1"}) as server:
+        before = scrape(server)
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model="tiny", prompt="word " * 40, max_tokens=5,
+                                      extra_body={"ignore_eos": True})
+        after = scrape(server)
+        assert after[("freetoken_generation_tokens_total", ())] - before[("freetoken_generation_tokens_total", ())] == 5
+        assert after[("freetoken_time_to_first_token_seconds_count", ())] == 1
+        assert after[("freetoken_requests_finished_total", (("reason", "length"),))] == 1
+        assert after[("freetoken_step_seconds_count", ())] >= 5
+        # Prefill ran in chunks of 16: it is timed across all of them, per request.
+        prefill = r.usage.model_extra["prefill"]
+        assert prefill["prefill_tokens"] == r.usage.prompt_tokens and prefill["prefill_s"] > 0
+        _, stats = server.request("GET", "/v1/stats")
+        assert stats["recent_requests"][-1]["prefill"]["prefill_tokens"] == r.usage.prompt_tokens
+
+
+def test_no_prefill_report_without_flag(model_dir):
+    with ServerProcess(model_dir) as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model="tiny", prompt="hello there", max_tokens=2)
+        assert "prefill" not in (r.usage.model_extra or {})
+        _, stats = server.request("GET", "/v1/stats")
+        assert "prefill" not in stats["recent_requests"][-1]
+        # ft ctl against the same server
+        for what in ("health", "stats", "models"):
+            out = subprocess.run([sys.executable, "-m", "freetoken.cli", "ctl", what, "--url", server.base],
+                                 capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            body = json.loads(out.stdout)
+            assert {"health": "status", "stats": "kv_blocks_total", "models": "data"}[what] in body
+
+
+def sentinel(server, *args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "stall_sentinel.py"), "--port",
+                           str(server.port), "--pid", str(server.proc.pid), "--interval", "0.1", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_sentinel_healthy_and_stalled(model_dir, tmp_path):
+    with ServerProcess(model_dir) as server:
+        out = sentinel(server, "--count", "3", "--threshold", "10", "--report", str(tmp_path / "ok.jsonl"))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "0 stalls" in out.stdout
+        assert not (tmp_path / "ok.jsonl").exists()
+    with ServerProcess(model_dir, env={"FREETOKEN_DEBUG_STEP_DELAY_S": "0.4"}) as server:
+        report = tmp_path / "stall.jsonl"
+        out = sentinel(server, "--count", "1", "--threshold", "1.0", "--max-tokens", "4",
+                       "--report", str(report))
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "1 stalls" in out.stdout
+        snap = json.loads(report.read_text().splitlines()[0])
+        assert snap["probe"]["total_s"] > 1.0
+        assert snap["snapshot"]["threads"] and all("wchan" in t and "state" in t for t in snap["snapshot"]["threads"])
+        assert "read_bytes" in snap["snapshot"]["io"]
