@@ -116,7 +116,9 @@ def test_still_serving_after_bad_input(server):
 
 
 def test_health_while_loading_then_ready_and_graceful_exit(model_dir):
-    with ServerProcess(model_dir, wait_ready=False, env={"FREETOKEN_DEBUG_LOAD_DELAY_S": "2"}) as s:
+    env = {"FREETOKEN_DEBUG_LOAD_DELAY_S": "2", "FREETOKEN_PREFILL_WARMUP": "1",
+           "FREETOKEN_WARMUP_MAX_DEPTH": "100"}
+    with ServerProcess(model_dir, "--max-prefill-length", "32", wait_ready=False, env=env) as s:
         status, body = s.health()
         assert status == 200 and body["status"] == "loading"
         assert set(body["progress"]) == {"done_bytes", "total_bytes"} and body["phase"]
@@ -125,6 +127,7 @@ def test_health_while_loading_then_ready_and_graceful_exit(model_dir):
         assert s.wait_ready(60)["status"] == "ok"
         assert s.request("GET", "/v1/models")[0] == 200
         assert s.stop() == 0
+        assert "warmup: 19 extend lengths (1..32) and KV depth 100" in s.logs()
         assert "bye" in s.logs()
 
 

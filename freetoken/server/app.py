@@ -41,6 +41,7 @@ class ServingApp:
         self.max_model_len = 0
         self.started = time.time()
         self.keep_resident = None
+        self.warmup_report: dict | None = None
         self.router = self._routes()
 
     # -- loading --------------------------------------------------------------------------
@@ -75,8 +76,31 @@ class ServingApp:
         self.phase = "loading tokenizer"
         self.tokenizer = Tokenizer.from_dir(runner.model_dir)
         self.max_model_len = runner.max_model_len
-        return EngineCore(runner, self.tokenizer, self.scheduler_config,
+        core = EngineCore(runner, self.tokenizer, self.scheduler_config,
                           instrument_prefill=env.instrument_prefill())
+        self._warmup(core)
+        return core
+
+    def _warmup(self, core: EngineCore) -> None:
+        """Compile and tune every kernel shape class before readiness (on by default on CUDA,
+        where Triton compiles; the CPU runs torch references with nothing to compile)."""
+        from freetoken.scheduler.core import EngineStats
+        from freetoken.scheduler.warmup import run_warmup
+
+        enabled = env.prefill_warmup()
+        if enabled is None:
+            enabled = core.runner.device.type == "cuda"
+        if not enabled:
+            log.info("warmup skipped (FREETOKEN_PREFILL_WARMUP=0, or a CPU device with nothing to compile)")
+            return
+        try:
+            self.warmup_report = run_warmup(core, env.warmup_max_depth(), self._set_phase)
+        except Exception:   # noqa: BLE001 - a failed warmup costs speed, not service
+            log.exception("warmup failed; serving anyway (first requests may compile kernels)")
+        core.stats = EngineStats()
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
 
     def _progress(self, done: int, total: int) -> None:
         self.done_bytes, self.total_bytes = done, total

@@ -85,3 +85,23 @@ def server_url() -> str:
 def instrument_prefill() -> bool:
     """FREETOKEN_INSTRUMENT_PREFILL=1: time each prefill forward and report it per request."""
     return _bool("FREETOKEN_INSTRUMENT_PREFILL", False)
+
+
+def prefill_warmup() -> bool | None:
+    """FREETOKEN_PREFILL_WARMUP: 0 skips the warmup ladder, 1 forces it; unset = on for CUDA."""
+    raw = _get("FREETOKEN_PREFILL_WARMUP")
+    return None if raw is None else _bool("FREETOKEN_PREFILL_WARMUP", True)
+
+
+def warmup_max_depth() -> int | None:
+    """FREETOKEN_WARMUP_MAX_DEPTH: cap the KV depth the warmup walks (tokens)."""
+    raw = _get("FREETOKEN_WARMUP_MAX_DEPTH")
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"FREETOKEN_WARMUP_MAX_DEPTH must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError("FREETOKEN_WARMUP_MAX_DEPTH must be positive")
+    return value
