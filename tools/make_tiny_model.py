@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Write a tiny random-weight MoE checkpoint in Hugging Face's hub layout.
+
+    python tools/make_tiny_model.py --family qwen3_moe --out /tmp/tiny
+    python tools/make_tiny_model.py --family mixtral --out /tmp/tiny-mx --max-shard-mb 1
+
+The work is freetoken.demo.tiny_model.make_tiny_model (which `ft serve` uses for its demo
+model); this only parses flags. The same flags always give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+try:
+    from freetoken.demo.tiny_model import FAMILIES, TinyShape, make_tiny_model
+except ImportError:   # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from freetoken.demo.tiny_model import FAMILIES, TinyShape, make_tiny_model
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    d = TinyShape()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
+    p.add_argument("--out", required=True, type=Path, help="folder to write (created if absent)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--num-heads", type=int, default=d.num_heads)
+    p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads)
+    p.add_argument("--head-dim", type=int, default=None, help="default: hidden-size / num-heads")
+    p.add_argument("--num-experts", type=int, default=d.num_experts)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--moe-intermediate-size", type=int, default=d.moe_intermediate_size,
+                   help="one expert's width")
+    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size,
+                   help="dense MLP width (qwen layers without experts)")
+    p.add_argument("--shared-expert-intermediate-size", type=int,
+                   default=d.shared_expert_intermediate_size, help="qwen2_moe only")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size,
+                   help="model vocab, at least the tokenizer's size")
+    p.add_argument("--norm-topk-prob", action=argparse.BooleanOptionalAction, default=None,
+                   help="renormalise the top-k router weights (default: the family's usual)")
+    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--mlp-only-layers", default="", help="comma list of dense layer indices")
+    p.add_argument("--decoder-sparse-step", type=int, default=d.decoder_sparse_step)
+    p.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
+    p.add_argument("--rms-norm-eps", type=float, default=None, help="default: the family's usual")
+    p.add_argument("--rope-theta", type=float, default=d.rope_theta)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype)
+    p.add_argument("--max-shard-mb", type=float, default=None,
+                   help="shard the weights into files of at most this many MB (1e6 bytes)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    shape = {k: v for k, v in vars(a).items() if k not in ("family", "out", "seed")}
+    shape["mlp_only_layers"] = tuple(int(i) for i in a.mlp_only_layers.split(",") if i.strip())
+    try:
+        out = make_tiny_model(a.out, family=a.family, seed=a.seed, **shape)
+    except ValueError as e:
+        print(f"make_tiny_model: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
