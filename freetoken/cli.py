@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running-requests", type=_positive_int, default=64, metavar="N")
     s.add_argument("--kv-cache-tokens", type=_positive_int, metavar="N",
                    help="KV cache size in tokens (default: from free memory)")
+    s.add_argument("--cpu-threads", type=_positive_int, metavar="N",
+                   help="torch CPU threads (default: all cores but one)")
     s.add_argument("--api-key", help="require this key (also FREETOKEN_API_KEY; the flag wins)")
     s.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
@@ -112,7 +114,8 @@ def serve(args) -> int:
     try:
         server = ServerConfig(host=args.host, port=args.port, served_model_name=name,
                               model_path=model, api_key=args.api_key or env.api_key(),
-                              max_body_bytes=int(args.max_body_mb * 2**20))
+                              max_body_bytes=int(args.max_body_mb * 2**20),
+                              cpu_threads=args.cpu_threads)
         engine = EngineConfig(model=model, device=_resolve_device(args), dtype=args.dtype,
                               max_model_len=args.max_seq_len_override,
                               kv_cache_tokens=args.kv_cache_tokens)

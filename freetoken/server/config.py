@@ -15,11 +15,16 @@ class ServerConfig:
     max_body_bytes: int = 32 * 2**20
     shutdown_timeout_s: float = 10.0
     ping_interval_s: float = 15.0
+    # torch CPU threads; None = all cores but one, which is left to the event loop's I/O and
+    # to local clients (on 2 cores, two busy-waiting OpenMP threads halve streaming speed).
+    cpu_threads: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")

@@ -29,6 +29,13 @@ def _loop_factory():
 
 
 def run_server(server: ServerConfig, engine: EngineConfig, scheduler: SchedulerConfig) -> int:
+    import os
+
+    import torch
+
+    threads = server.cpu_threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    log.info("torch CPU threads: %d", threads)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(server, engine, scheduler))
 
