@@ -61,13 +61,17 @@ def test_no_prefill_report_without_flag(model_dir):
         assert "prefill" not in (r.usage.model_extra or {})
         _, stats = server.request("GET", "/v1/stats")
         assert "prefill" not in stats["recent_requests"][-1]
+        _, inst = server.request("GET", "/v1/instrumentation")
+        assert inst["model"]["max_model_len"] == 512 and inst["device"]["type"] == "cpu"
+        assert inst["kv_cache"]["tokens"] == inst["kv_cache"]["blocks"] * inst["kv_cache"]["block_size"]
         # ft ctl against the same server
-        for what in ("health", "stats", "models"):
+        for what in ("health", "stats", "models", "instrumentation"):
             out = subprocess.run([sys.executable, "-m", "freetoken.cli", "ctl", what, "--url", server.base],
                                  capture_output=True, text=True, timeout=30)
             assert out.returncode == 0, out.stderr
             body = json.loads(out.stdout)
-            assert {"health": "status", "stats": "kv_blocks_total", "models": "data"}[what] in body
+            assert {"health": "status", "stats": "kv_blocks_total", "models": "data",
+                    "instrumentation": "kv_cache"}[what] in body
 
 
 def sentinel(server, *args):

@@ -146,6 +146,7 @@ class ServingApp:
         r.add("GET", "/v1/models", self.models)
         r.add("GET", "/v1/stats", self.stats)
         r.add("GET", "/metrics", self.metrics)
+        r.add("GET", "/v1/instrumentation", self.instrumentation)
         r.add("POST", "/v1/chat/completions", lambda req, resp: chat_completions(self, req, resp))
         r.add("POST", "/v1/completions", lambda req, resp: completions(self, req, resp))
         r.set_guard("/v1/", self.guard)
@@ -180,6 +181,34 @@ class ServingApp:
         body = self.engine.metrics.registry.render() if self.engine else b""
         response.send_bytes(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
+    async def instrumentation(self, request, response) -> None:
+        """The resolved configuration, read back off the live objects, and live counters."""
+        import torch
+
+        import triton_kernels
+
+        runner = self.engine.core.runner
+        alloc = runner.allocator
+        body = {
+            "model": {"served_name": self.server_config.served_model_name, "path": str(runner.model_dir),
+                      "architectures": list(runner.model_config.architectures),
+                      "dtype": str(runner.dtype).removeprefix("torch."),
+                      "max_model_len": runner.max_model_len},
+            "device": {"type": runner.device.type, "name": str(runner.device),
+                       "gpu": _gpu_identity(runner.device),
+                       "torch": torch.__version__, "cpu_threads": torch.get_num_threads()},
+            "kernels": {"backend": triton_kernels.get_backend()},
+            "kv_cache": {"blocks": alloc.num_blocks, "block_size": alloc.block_size,
+                         "tokens": alloc.num_blocks * alloc.block_size, "free_blocks": alloc.num_free},
+            "scheduler": {"max_prefill_length": self.scheduler_config.max_prefill_length,
+                          "max_running_requests": self.scheduler_config.max_running_requests},
+            "warmup": self.warmup_report,
+        }
+        moe_report = getattr(runner, "moe_report", None)
+        if moe_report is not None:
+            body["moe"] = moe_report()
+        response.send_json(200, body)
+
     async def models(self, request, response) -> None:
         name = self.server_config.served_model_name
         response.send_json(200, {"object": "list", "data": [{
@@ -199,3 +228,12 @@ class ServingApp:
             "preemptions": core.scheduler.num_preemptions,
             "recent_requests": list(self.engine.recent),
         })
+
+
+def _gpu_identity(device) -> dict | None:
+    if device.type != "cuda":
+        return None
+    import torch
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "uuid": str(getattr(props, "uuid", "")),
+            "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory}
