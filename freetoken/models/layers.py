@@ -170,6 +170,16 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mlp_name)(x), residual
 
 
+def qwen_layer(cfg: ModelConfig, i: int) -> DecoderLayer:
+    """The Qwen MoE layer rule: sparse where cfg.is_moe_layer(i), a dense MLP elsewhere; the
+    router renormalises per norm_topk_prob and casts its weights to the model dtype."""
+    if cfg.is_moe_layer(i):
+        mlp = SparseMoeBlock(cfg, renormalize=cfg.norm_topk_prob, weights_in_model_dtype=True)
+    else:
+        mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+    return DecoderLayer(cfg, i, mlp)
+
+
 class MoeModel(nn.Module):
     """`model.*` of a causal LM: embeddings, decoder layers, final norm."""
 

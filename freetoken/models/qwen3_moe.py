@@ -4,7 +4,7 @@ optional renormalisation (norm_topk_prob), weights cast to the model dtype.
 """
 
 from freetoken.models.config import ModelConfig, parse_config
-from freetoken.models.layers import DecoderLayer, DenseMLP, MoeForCausalLM, SparseMoeBlock
+from freetoken.models.layers import MoeForCausalLM, qwen_layer
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 MODEL_TYPES = ("qwen3_moe",)
@@ -16,17 +16,9 @@ def parse(raw: dict, model_dir) -> ModelConfig:
         "rms_norm_eps": 1e-6})
 
 
-def make_layer(cfg: ModelConfig, i: int) -> DecoderLayer:
-    if cfg.is_moe_layer(i):
-        mlp = SparseMoeBlock(cfg, renormalize=cfg.norm_topk_prob, weights_in_model_dtype=True)
-    else:
-        mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
-    return DecoderLayer(cfg, i, mlp)
-
-
 class Qwen3MoeForCausalLM(MoeForCausalLM):
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, make_layer)
+        super().__init__(cfg, qwen_layer)
 
 
 MODEL_CLASS = Qwen3MoeForCausalLM
