@@ -17,11 +17,13 @@ def test_extend_lengths_shape():
 
 
 @pytest.mark.parametrize("budget", [1, 7, 64, 100, 2048, 8192])
-def test_ladder_covers_every_moe_autotune_key(budget):
-    import triton_kernels.fused_moe as fm
-    keys_fn = getattr(fm, "fused_moe_autotune_keys", None)
-    if keys_fn is None:
-        pytest.skip("fused_moe has no autotune keys yet")
+@pytest.mark.parametrize("top_k,experts", [(2, 8), (8, 128)])
+def test_ladder_covers_every_moe_autotune_key(budget, top_k, experts):
+    from triton_kernels import fused_moe_autotune_keys
+
+    def keys_fn(tokens):
+        return fused_moe_autotune_keys(tokens, top_k, experts)
+
     ladder = {keys_fn(n) for n in extend_lengths(budget)}
     # A step carries any total token count from 1 (one decode) up to the budget.
     for t in range(1, budget + 1):

@@ -6,6 +6,25 @@ Triton for CUDA tensors when triton imports, the reference otherwise). Tests for
 """
 
 import functools
+import os
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # no triton wheel for this platform: the references still run
+    class _Missing:
+        """Stands in for `triton` and `tl` so kernel files import; their launchers never run."""
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return self
+
+        def __call__(self, *args, **kwargs):
+            # `@triton.jit` and `@triton.jit(...)` both leave the function as it is.
+            return args[0] if len(args) == 1 and callable(args[0]) else self
+
+    triton = tl = _Missing()
 
 _BACKENDS = ("auto", "triton", "reference")
 _backend = "auto"
@@ -30,6 +49,11 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter, where autotuning cannot run (no active driver)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(t) -> bool:

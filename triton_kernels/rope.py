@@ -8,7 +8,7 @@ every head in place and returns (q, k). Like HF, the rotation is done in the inp
 
 import torch
 
-from triton_kernels._dispatch import use_triton
+from triton_kernels._dispatch import tl, triton, use_triton
 
 
 def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -23,6 +23,66 @@ def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tens
         x1, x2 = rot[..., :half], rot[..., half:]
         rotated = torch.cat((-x2, x1), dim=-1)
         rot.copy_(rot * c + rotated * s)
+    return q, k
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_xt, stride_xh, tok, H, cos, sin, offs_r,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    # x[:, :HALF] and x[:, HALF:2*HALF] of every head of one token, BLOCK_H heads at a time.
+    mask_r = offs_r < HALF
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = (offs_h < H)[:, None] & mask_r[None, :]
+        ptr1 = x_ptr + tok * stride_xt + offs_h[:, None] * stride_xh + offs_r[None, :]
+        x1 = tl.load(ptr1, mask=mask, other=0.0)
+        x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
+        # In the input dtype, product by product, as the reference's `rot * c + rotated * s`.
+        tl.store(ptr1, x1 * cos - x2 * sin, mask=mask)
+        tl.store(ptr1 + HALF, x2 * cos + x1 * sin, mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, Hq, Hk,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    # One program per token: its cos/sin row is read once and applied to all q and k heads.
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + offs_r, mask=mask_r, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs_r, mask=mask_r, other=0.0)
+    q_cos, q_sin = cos.to(q_ptr.dtype.element_ty)[None, :], sin.to(q_ptr.dtype.element_ty)[None, :]
+    _rotate_heads(q_ptr, stride_qt, stride_qh, tok, Hq, q_cos, q_sin, offs_r, HALF, BLOCK_H)
+    k_cos, k_sin = cos.to(k_ptr.dtype.element_ty)[None, :], sin.to(k_ptr.dtype.element_ty)[None, :]
+    _rotate_heads(k_ptr, stride_kt, stride_kh, tok, Hk, k_cos, k_sin, offs_r, HALF, BLOCK_H)
+
+
+def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor):
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"apply_rope: q [T, Hq, D] and k [T, Hk, D] expected, got "
+                         f"{tuple(q.shape)} and {tuple(k.shape)}")
+    t, _, d = q.shape
+    rot = cos_sin.shape[1]
+    if rot % 2 or rot > d:
+        raise ValueError(f"apply_rope: rotary dim {rot} must be even and <= head dim {d}")
+    if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"apply_rope: positions must be [{t}] int32/int64, got "
+                         f"{tuple(positions.shape)} {positions.dtype}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos_sin.stride(1) != 1:
+        raise ValueError("apply_rope: q, k and cos_sin need a contiguous last dimension")
+    if t == 0:
+        return q, k
+    half = rot // 2
+    block_r = triton.next_power_of_2(half)
+    # About 4K elements a tile: enough to keep loads in flight without spilling.
+    block_h = max(1, min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), 4096 // block_r))
+    _rope_kernel[(t,)](
+        q, k, positions.contiguous(), cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        q.shape[1], k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4)
     return q, k
 
 

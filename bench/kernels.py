@@ -1,0 +1,258 @@
+"""Time each Triton kernel against its torch reference on Qwen3-30B-A3B-like shapes.
+
+    PYTHONPATH=. python bench/kernels.py [--ops fused_moe,paged_attention] [--dtype bf16]
+
+Shapes: hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 kv heads of 128.
+Each row reports the Triton time eagerly (what a Python loop of launches costs, launch
+overhead included) and replayed from a CUDA graph (the kernels' own time), the reference's
+eager time, the bytes the op must move (read + write) over the graph time as GB/s and as a
+fraction of this GPU's memory-copy ceiling measured in the same run, and TFLOP/s where the
+op is compute-heavy. MoE decode at batch 1 should reach >= 70% of the copy ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from typing import Callable
+
+import torch
+
+# Qwen3-30B-A3B-like model.
+HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
+HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
+OPS = ("rms_norm", "rope", "silu_and_mul", "topk_softmax", "write_kv", "paged_attention",
+       "fused_moe")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class Case:
+    op: str
+    shape: str
+    triton: Callable[[], object]
+    reference: Callable[[], object] | None
+    bytes: float                  # read + written by the op, at least once each
+    flops: float = 0.0            # reported as TFLOP/s when non-zero
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", default=",".join(OPS),
+                   help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--reps", type=int, default=50, help="calls per timing round")
+    p.add_argument("--rounds", type=int, default=5, help="timing rounds (the median is kept)")
+    p.add_argument("--no-reference", action="store_true", help="skip timing the references")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
+    args = p.parse_args(argv)
+    args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = sorted(set(args.ops) - set(OPS))
+    if unknown:
+        p.error(f"unknown ops {unknown}; choose from {', '.join(OPS)}")
+    return args
+
+
+# ---- timing ---------------------------------------------------------------------------------
+
+def time_eager(fn, reps: int, rounds: int) -> float:
+    """Median over rounds of the mean time per call, in seconds, measured with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def time_graph(fn, reps: int, rounds: int) -> float | None:
+    """Like time_eager, but replaying `reps` calls captured in one CUDA graph (no launch cost)."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()                                   # compile and autotune outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+    except Exception as e:                       # an op that syncs cannot be captured
+        print(f"  (no CUDA graph: {type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    return time_eager(graph.replay, 1, rounds) / reps
+
+
+def copy_ceiling(reps: int, rounds: int) -> float:
+    """Device-to-device copy of 1 GiB, read + write counted, in bytes/s."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = time_eager(lambda: dst.copy_(src), max(1, reps // 5), rounds)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2**30 / seconds
+
+
+# ---- cases ----------------------------------------------------------------------------------
+
+def rms_norm_cases(dt):
+    from triton_kernels.rms_norm import rms_norm_reference, rms_norm_triton
+    w = torch.ones(HIDDEN, dtype=dt, device="cuda")
+    for t in (1, 64, 4096):
+        x, res = (torch.randn(t, HIDDEN, dtype=dt, device="cuda") for _ in range(2))
+        yield Case("rms_norm+residual", f"T={t} D={HIDDEN}",
+                   lambda x=x, res=res: rms_norm_triton(x, w, 1e-6, res),
+                   lambda x=x, res=res: rms_norm_reference(x, w, 1e-6, res),
+                   bytes=4 * x.numel() * x.element_size())
+
+
+def rope_cases(dt):
+    from triton_kernels.rope import apply_rope_reference, apply_rope_triton
+    cos_sin = torch.randn(40960, HEAD_DIM, device="cuda")
+    for t in (1, 64, 4096):
+        q = torch.randn(t, HEADS_Q, HEAD_DIM, dtype=dt, device="cuda")
+        k = torch.randn(t, HEADS_KV, HEAD_DIM, dtype=dt, device="cuda")
+        pos = torch.randint(0, 40960, (t,), device="cuda")
+        moved = 2 * (q.numel() + k.numel()) * q.element_size() + t * HEAD_DIM * 4
+        yield Case("rope", f"T={t} Hq={HEADS_Q} Hk={HEADS_KV}",
+                   lambda q=q, k=k, pos=pos: apply_rope_triton(q, k, pos, cos_sin),
+                   lambda q=q, k=k, pos=pos: apply_rope_reference(q, k, pos, cos_sin), moved)
+
+
+def silu_and_mul_cases(dt):
+    from triton_kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
+    for t in (64, 4096):
+        x = torch.randn(t, 2 * 4 * WIDTH, dtype=dt, device="cuda")
+        yield Case("silu_and_mul", f"T={t} I={4 * WIDTH}", lambda x=x: silu_and_mul_triton(x),
+                   lambda x=x: silu_and_mul_reference(x), 1.5 * x.numel() * x.element_size())
+
+
+def topk_softmax_cases(dt):
+    from triton_kernels.topk_softmax import topk_softmax_reference, topk_softmax_triton
+    for t in (1, 64, 4096):
+        logits = torch.randn(t, EXPERTS, dtype=dt, device="cuda")
+        yield Case("topk_softmax", f"T={t} E={EXPERTS} k={TOP_K}",
+                   lambda x=logits: topk_softmax_triton(x, TOP_K, True),
+                   lambda x=logits: topk_softmax_reference(x, TOP_K, True),
+                   logits.numel() * logits.element_size() + t * TOP_K * 12)
+
+
+def write_kv_cases(dt):
+    from triton_kernels.kv_write import write_kv_reference, write_kv_triton
+    num_blocks = 4096
+    k_cache = torch.zeros(num_blocks, BLOCK_SIZE, HEADS_KV, HEAD_DIM, dtype=dt, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    for t in (1, 64, 4096):
+        k, v = (torch.randn(t, HEADS_KV, HEAD_DIM, dtype=dt, device="cuda") for _ in range(2))
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda")[:t]
+        yield Case("write_kv", f"T={t} Hk={HEADS_KV}",
+                   lambda k=k, v=v, s=slots: write_kv_triton(k, v, k_cache, v_cache, s),
+                   lambda k=k, v=v, s=slots: write_kv_reference(k, v, k_cache, v_cache, s),
+                   4 * k.numel() * k.element_size() + t * 8)
+
+
+def paged_attention_cases(dt):
+    from triton_kernels.paged_attention import paged_attention_reference, paged_attention_triton
+    scale = HEAD_DIM ** -0.5
+    # (label, query lengths, context lengths)
+    shapes = [("decode", [1], [4096]), ("decode", [1], [32768]), ("decode", [1] * 32, [4096] * 32),
+              ("prefill", [4096], [4096]), ("chunked prefill", [512], [8192])]
+    for label, q_lens, ctxs in shapes:
+        blocks = [math.ceil(c / BLOCK_SIZE) for c in ctxs]
+        num_blocks = sum(blocks)
+        k_cache = torch.randn(num_blocks, BLOCK_SIZE, HEADS_KV, HEAD_DIM, dtype=dt, device="cuda")
+        v_cache = torch.randn_like(k_cache)
+        ids = torch.randperm(num_blocks, dtype=torch.int32, device="cuda")
+        table = torch.full((len(ctxs), max(blocks)), -1, dtype=torch.int32, device="cuda")
+        start = 0
+        for b, n in enumerate(blocks):
+            table[b, :n] = ids[start:start + n]
+            start += n
+        cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                          device="cuda")
+        seq_lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(q_lens), HEADS_Q, HEAD_DIM, dtype=dt, device="cuda")
+        elt = q.element_size()
+        kv_bytes = sum(ctxs) * 2 * HEADS_KV * HEAD_DIM * elt
+        # Causal: query i of a span of n over a context c sees c - n + i + 1 keys.
+        pairs = sum(n * (c - n) + n * (n + 1) / 2 for n, c in zip(q_lens, ctxs))
+        args = (q, k_cache, v_cache, table, cu, seq_lens, scale)
+        yield Case("paged_attention", f"{label} B={len(ctxs)} q={q_lens[0]} ctx={ctxs[0]}",
+                   lambda a=args, m=max(q_lens): paged_attention_triton(*a, m),
+                   lambda a=args: paged_attention_reference(*a),
+                   kv_bytes + 2 * q.numel() * elt, flops=4 * pairs * HEADS_Q * HEAD_DIM)
+
+
+def fused_moe_cases(dt):
+    from triton_kernels.fused_moe import fused_moe_reference, fused_moe_triton
+    w13 = torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, dtype=dt, device="cuda") / HIDDEN ** 0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, WIDTH, dtype=dt, device="cuda") / WIDTH ** 0.5
+    expert_bytes = 3 * WIDTH * HIDDEN * w13.element_size()
+    for t in (1, 8, 64, 512, 4096):
+        x = torch.randn(t, HIDDEN, dtype=dt, device="cuda")
+        # Several routings, cycled, so repeated calls stream their experts from HBM, not L2.
+        routings = [torch.topk(torch.randn(t, EXPERTS, device="cuda").softmax(-1), TOP_K, -1)
+                    for _ in range(8)]
+        unique = sum(len(torch.unique(ids)) for _, ids in routings) / len(routings)
+        turn = iter(range(10**12))
+
+        def run(fn, x=x, routings=routings, turn=turn):
+            w, ids = routings[next(turn) % len(routings)]
+            return fn(x, w13, w2, w, ids)
+
+        yield Case("fused_moe", f"T={t} E={EXPERTS} k={TOP_K} I={WIDTH}",
+                   lambda run=run: run(fused_moe_triton),
+                   lambda run=run: run(fused_moe_reference),
+                   unique * expert_bytes + 2 * x.numel() * x.element_size(),
+                   flops=2 * t * TOP_K * 3 * HIDDEN * WIDTH)
+
+
+CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "silu_and_mul": silu_and_mul_cases,
+         "topk_softmax": topk_softmax_cases, "write_kv": write_kv_cases,
+         "paged_attention": paged_attention_cases, "fused_moe": fused_moe_cases}
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA device: the Triton kernels only run on a GPU "
+              "(tests/test_kernels.py checks them in the interpreter instead).", file=sys.stderr)
+        return 2
+    dt = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    ceiling = copy_ceiling(args.reps, args.rounds)
+    print(f"{torch.cuda.get_device_name()}: memory copy ceiling {ceiling / 1e9:.0f} GB/s "
+          f"(1 GiB device-to-device, read + write), dtype {args.dtype}\n")
+    header = (f"{'op':<18} {'shape':<34} {'triton us':>10} {'graph us':>9} {'ref us':>10} "
+              f"{'speedup':>8} {'GB/s':>7} {'of copy':>8} {'TFLOP/s':>8}")
+    print(header)
+    print("-" * len(header))
+    for op in args.ops:
+        for case in CASES[op](dt):
+            eager = time_eager(case.triton, args.reps, args.rounds)
+            graph = None if args.no_graph else time_graph(case.triton, args.reps, args.rounds)
+            ref = (None if args.no_reference or case.reference is None
+                   else time_eager(case.reference, max(1, args.reps // 5), args.rounds))
+            kernel_time = graph or eager
+            gbs = case.bytes / kernel_time
+            print(f"{case.op:<18} {case.shape:<34} {eager * 1e6:>10.1f} "
+                  f"{'-' if graph is None else f'{graph * 1e6:.1f}':>9} "
+                  f"{'-' if ref is None else f'{ref * 1e6:.1f}':>10} "
+                  f"{'-' if ref is None else f'{ref / eager:.2f}x':>8} "
+                  f"{gbs / 1e9:>7.0f} {gbs / ceiling:>8.0%} "
+                  f"{f'{case.flops / kernel_time / 1e12:.1f}' if case.flops else '-':>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
