@@ -26,26 +26,58 @@ _DEFAULT_NUM_SMS = 132     # an H100/H200, for the plan when the tensors live on
 def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                               scale: float):
     out = torch.empty_like(q)
-    bs = k_cache.shape[1]
-    hq, hk = q.shape[1], k_cache.shape[2]
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    # Decodes (one query each) go together in one padded batch: the CPU serves with this
+    # reference, and a Python loop over 32 decoding sequences per layer dominated a step.
+    decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    if decodes:
+        rows = [cu[b] for b in decodes]
+        out[rows] = _decode_batch(q[rows], k_cache, v_cache, block_tables[decodes],
+                                  [lens[b] for b in decodes], scale)
     for b in range(len(lens)):
-        q_start, q_end, ctx = cu[b], cu[b + 1], lens[b]
-        n_q = q_end - q_start
-        if n_q == 0:
-            continue
-        blocks = block_tables[b, : (ctx + bs - 1) // bs].long()
-        k = k_cache[blocks].reshape(-1, hk, k_cache.shape[-1])[:ctx]   # [L, Hk, D]
-        v = v_cache[blocks].reshape(-1, hk, v_cache.shape[-1])[:ctx]
-        qb = q[q_start:q_end].transpose(0, 1)                          # [Hq, n_q, D]
-        k = k.transpose(0, 1).to(q.dtype).repeat_interleave(hq // hk, dim=0)
-        v = v.transpose(0, 1).to(q.dtype).repeat_interleave(hq // hk, dim=0)
-        q_pos = torch.arange(ctx - n_q, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [n_q, L]
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
-        out[q_start:q_end] = o.transpose(0, 1)
+        n_q = cu[b + 1] - cu[b]
+        if n_q > 1:
+            out[cu[b]:cu[b + 1]] = _prefill_one(q[cu[b]:cu[b + 1]], k_cache, v_cache,
+                                                block_tables[b], lens[b], scale)
     return out
+
+
+def _gather_kv(cache, tables, ctx: int):
+    """[B, M] block tables -> [B, ctx, Hk, D] keys or values (padding ids read block 0)."""
+    bs = cache.shape[1]
+    blocks = tables[:, : (ctx + bs - 1) // bs].long().clamp(min=0)
+    return cache[blocks].flatten(1, 2)[:, :ctx]
+
+
+def _decode_batch(q, k_cache, v_cache, tables, lens: list[int], scale: float):
+    # q [B, Hq, D]; keys padded to the longest context and masked past each one's length.
+    b, hq, d = q.shape
+    hk = k_cache.shape[2]
+    ctx = max(lens)
+    k = _gather_kv(k_cache, tables, ctx).to(q.dtype)              # [B, L, Hk, D]
+    v = _gather_kv(v_cache, tables, ctx).to(q.dtype)
+    qg = q.view(b, hk, hq // hk, d)                               # [B, Hk, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale       # [B, Hk, G, L]
+    length = torch.tensor(lens, device=q.device)
+    valid = torch.arange(ctx, device=q.device)[None, :] < length[:, None]   # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d)
+
+
+def _prefill_one(q, k_cache, v_cache, table, ctx: int, scale: float):
+    # q [n_q, Hq, D] at positions ctx - n_q .. ctx - 1, causal over the cached prefix.
+    n_q, hq, _ = q.shape
+    hk = k_cache.shape[2]
+    k = _gather_kv(k_cache, table[None], ctx)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, D]
+    v = _gather_kv(v_cache, table[None], ctx)[0].transpose(0, 1).to(q.dtype)
+    k = k.repeat_interleave(hq // hk, dim=0)
+    v = v.repeat_interleave(hq // hk, dim=0)
+    q_pos = torch.arange(ctx - n_q, ctx, device=q.device)
+    mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]      # [n_q, L]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
 
 
 @triton.jit
