@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One prepared GPU check (issue: kernel layer), under 5 minutes on the H200 machine.
+# Run through the device tool from the repo root with `.whl` carried (httptools, orjson; see
+# ../shared/GPU.md for the pip download line), e.g.:
+#   bash bench/gpu_check.sh            # writes everything under $OUT (or ./gpu-check-out)
+# Steps: kernel tests on CUDA -> kernel microbenchmarks vs torch reference and the HBM
+# ceiling measured in the same run -> whole model through the kernels vs the references ->
+# first-request TTFT after ready (no cold compile).
+set -uo pipefail
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
+
+echo "== kernel tests on CUDA"
+timeout 120 python3 -m pytest -q -x tests/test_kernels.py 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
+echo "== kernel microbenchmarks"
+timeout 90 python3 bench/kernels.py --dtype bf16 2>&1 | tee "$OUT/kernels.txt"
+echo "== model through the kernels vs the references"
+timeout 90 python3 bench/cuda_parity.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/parity.txt"
+echo "== first request after ready"
+python3 tools/make_tiny_model.py --family qwen3_moe --out /tmp/gpu-tiny --dtype bfloat16 \
+  --hidden-size 1024 --num-layers 4 --num-experts 64 --top-k 8 --moe-intermediate-size 512 \
+  --max-position-embeddings 8192 >/dev/null
+timeout 150 python3 bench/first_request.py --model /tmp/gpu-tiny --device cuda \
+  --lengths 1 7 100 1000 4000 --out "$OUT/first_request.json" 2>&1 | tee "$OUT/first_request.txt"
+echo "done; results in $OUT"
