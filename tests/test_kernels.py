@@ -23,6 +23,18 @@ from triton_kernels.topk_softmax import topk_softmax_reference, topk_softmax_tri
 
 DTYPES = [torch.float32, torch.float16]
 
+
+@pytest.fixture(autouse=True)
+def _kernel_device():
+    """On a GPU machine the same tests run the compiled kernels on CUDA tensors; without one,
+    CPU tensors go through Triton's interpreter (conftest sets TRITON_INTERPRET)."""
+    if torch.cuda.is_available():
+        torch.set_default_device("cuda")
+        yield
+        torch.set_default_device("cpu")
+    else:
+        yield
+
 # Elementwise and row-wise ops round the same way as their references: a few ulps at most.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 # Reductions over hundreds of terms in a different order (the MoE reference even accumulates
