@@ -18,6 +18,7 @@ import torch
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.model_runner import ModelRunner, SeqChunk
 from freetoken.engine.sampling_params import SamplingParams
+from freetoken.moe.config import MoeConfig
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.core import EngineCore, RequestError
 
@@ -43,11 +44,20 @@ class LLM:
                  skip_tokenizer_init: bool = False, max_model_len: int | None = None,
                  kv_cache_tokens: int | None = None, max_prefill_length: int = 2048,
                  max_running_requests: int = 64, block_size: int = 16,
-                 kernel_backend: str = "auto"):
+                 kernel_backend: str = "auto", moe_backend: str = "auto",
+                 moe_cache_size: int | None = None, moe_cache_rate: float | None = None,
+                 moe_cache_policy: str = "lru", moe_cpu_layers=None,
+                 moe_cpu_threads: int | None = None, moe_hybrid_k: int | None = None,
+                 pin_budget_gb: float | None = None, kv_reserve_tokens: int = 8192):
+        # moe_*: where the experts live and run (see freetoken.moe.config.MoeConfig).
+        moe = MoeConfig(backend=moe_backend, cache_size=moe_cache_size, cache_rate=moe_cache_rate,
+                        cache_policy=moe_cache_policy, cpu_layers=moe_cpu_layers,
+                        cpu_threads=moe_cpu_threads, hybrid_k=moe_hybrid_k,
+                        pin_budget_gb=pin_budget_gb, kv_reserve_tokens=kv_reserve_tokens)
         self.engine_config = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len,
             kv_cache_tokens=kv_cache_tokens, block_size=block_size,
-            skip_tokenizer_init=skip_tokenizer_init, kernel_backend=kernel_backend)
+            skip_tokenizer_init=skip_tokenizer_init, kernel_backend=kernel_backend, moe=moe)
         self.runner = ModelRunner(self.engine_config)
         self.tokenizer = None
         if not skip_tokenizer_init:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from freetoken.moe.config import MoeConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -17,6 +19,7 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 4.0    # cap for the KV cache on the CPU
     skip_tokenizer_init: bool = False
     kernel_backend: str = "auto"    # auto | triton | reference
+    moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)   # where experts live and run
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -27,3 +30,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must be at least one block ({self.block_size})")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        if not isinstance(self.moe, MoeConfig):
+            raise ValueError(f"moe must be a MoeConfig, got {type(self.moe).__name__}")

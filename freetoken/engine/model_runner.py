@@ -4,6 +4,10 @@ The scheduler hands it a list of SeqChunks (the new tokens of each scheduled seq
 they start, and the sequence's block table); it lays them out flat, builds the ForwardBatch
 on the host, copies each tensor to the device once, and returns float32 logits for the
 sequences that sample this step.
+
+Startup decides where the experts live (EngineConfig.moe, resolved by freetoken.moe.plan)
+before any weight is allocated: resident on the device, or in a host-RAM expert store with a
+GPU expert cache (offload/hybrid) or CPU compute, run by a MoeRuntime hooked into each layer.
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ import triton_kernels
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.kv_cache import KVCache
-from freetoken.models.loader import load_model
+from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
+                                     resolve_model_path)
 from freetoken.models.rope import build_cos_sin
+from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
+from freetoken.moe.runtime import MoeRuntime
+from freetoken.moe.store import ExpertStore, host_available_bytes
 
 log = logging.getLogger("freetoken.engine")
 
@@ -38,11 +46,23 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         triton_kernels.set_backend(config.kernel_backend)
-        self.model, self.model_config, self.model_dir = load_model(
-            config.model, self.device, config.dtype, progress)
-        self.dtype = next(self.model.parameters()).dtype
-        mc = self.model_config
+        self.model_dir = resolve_model_path(config.model)
+        model, mc = init_model(self.model_dir, config.dtype)    # config and family errors first
+        self.model_config = mc
+        self.dtype = next(model.parameters()).dtype
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        blocks = model.moe_blocks()
+        self.moe_plan = self._plan_moe(model, blocks)
+        self.expert_store = self.moe = None
+        if self.moe_plan.experts_on_host:
+            self.expert_store = self._expert_store(blocks)
+        host_banks = {blocks[i].experts: self.expert_store.bank(i)
+                      for i in (self.expert_store.layers if self.expert_store else ())}
+        model = materialize(model, self.device, host_banks)
+        load_weights(model, checkpoint_files(self.model_dir), progress)
+        self.model = model.eval().requires_grad_(False)
+        if self.expert_store is not None:
+            self.moe = self._moe_runtime(blocks)
         cos_sin = build_cos_sin(mc.rope, mc.head_dim, self.max_model_len, self.device)
         layers = self.model.attention_layers()
         for layer in layers:
@@ -52,6 +72,60 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks,
                  config.block_size, num_blocks * config.block_size,
                  num_blocks * config.block_size * KVCache.bytes_per_token(layers, self.dtype) / 2**20)
+
+    def _plan_moe(self, model, blocks) -> MoePlan:
+        """Resolve EngineConfig.moe against the meta-built model and the free memory."""
+        cfg, mc = self.config, self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        banks = {id(p) for b in blocks.values() for p in (b.experts.w13, b.experts.w2)}
+        shape = MoeShape(
+            moe_layers=tuple(blocks), num_experts=mc.num_experts, top_k=mc.num_experts_per_tok,
+            expert_bytes=3 * mc.moe_intermediate_size * mc.hidden_size * elem,
+            dense_bytes=sum(p.numel() * elem for p in model.parameters() if id(p) not in banks),
+            kv_bytes_per_token=KVCache.bytes_per_token(model.attention_layers(), self.dtype))
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            mem = DeviceMemory("cuda", free, int(total * (1 - cfg.gpu_memory_utilization)))
+        else:
+            mem = DeviceMemory("cpu", host_available_bytes())
+        # The KV cache must hold max_model_len tokens, so the reserve is at least that.
+        kv_tokens = cfg.kv_cache_tokens or max(cfg.moe.kv_reserve_tokens, self.max_model_len)
+        if not blocks:
+            return MoePlan(cfg.moe.backend, "resident", "the model has no MoE layers", (), (), 0,
+                           0, "no expert cache", kv_tokens)
+        # One forward can carry a whole max_model_len sequence (LLM.logits does).
+        plan = plan_moe(cfg.moe, shape, mem, self.max_model_len, kv_tokens)
+        log.info("MoE experts: %s (%s)%s", plan.backend, plan.reason,
+                 f"; expert cache {plan.cache_slots} slots ({plan.sizing})" if plan.cache_slots else "")
+        return plan
+
+    def _expert_store(self, blocks) -> ExpertStore:
+        m, mc = self.config.moe, self.model_config
+        budget = None if m.pin_budget_gb is None else int(m.pin_budget_gb * 2**30)
+        return ExpertStore(tuple(blocks), mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
+                           self.dtype, pin=self.device.type == "cuda", pin_budget_bytes=budget)
+
+    def _moe_runtime(self, blocks) -> MoeRuntime:
+        # Prefetch guesses: a layer's router on the previous layer's hidden state; softmax is
+        # monotonic, so the top-k of the logits are the experts it would pick.
+        routers = {i: (lambda x, b=b: b.gate(x).topk(b.top_k, dim=-1).indices)
+                   for i, b in blocks.items()}
+        runtime = MoeRuntime(self.moe_plan, self.config.moe, self.expert_store, self.device,
+                             routers, self.model_config.num_experts_per_tok)
+        for i, b in blocks.items():
+            b.experts.runtime = runtime.layer_fn(i)
+        return runtime
+
+    def moe_report(self) -> dict:
+        """Where the experts live and how the cache is doing: the resolved plan, read back off
+        the live objects, and live counters (for /v1/instrumentation)."""
+        p = self.moe_plan
+        report = {"backend": p.backend, "requested": p.requested, "reason": p.reason,
+                  "kv_reserve_tokens": p.kv_tokens}
+        if self.moe is None:
+            return {**report, "policy": None, "cache": None, "host": None, "cpu_layers": [],
+                    "hybrid_k": None, "prefetch": False, "counters": None}
+        return {**report, **self.moe.report()}
 
     def _num_kv_blocks(self, layers) -> int:
         """Enough blocks for at least one sequence of max_model_len, more if memory allows."""
@@ -117,6 +191,8 @@ class ModelRunner:
         """One forward. Returns float32 logits [N, V]: one row per chunk with want_logits,
         or (all_logits) one row per token, for scoring."""
         batch = self.prepare(chunks)
+        if self.moe is not None:
+            self.moe.begin_step()
         if all_logits:
             batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
         return self.model(batch)

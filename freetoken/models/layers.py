@@ -85,6 +85,8 @@ class ExpertBank(nn.Module):
 
     w13: [E, 2I, D] (gate rows then up rows); w2: [E, D, I]. The checkpoint's per-expert keys
     (`experts.{e}.gate_proj.weight`, or mixtral's w1/w3/w2) load into slices of these.
+    When the engine keeps experts off the device (freetoken.moe), w13/w2 are host tensors of
+    the expert store and `runtime` (x, topk_weights, topk_ids) -> [T, D] runs the layer.
     """
 
     # checkpoint projection name -> (bank, which half of w13 or None for w2)
@@ -97,6 +99,7 @@ class ExpertBank(nn.Module):
         self.num_experts, self.width = num_experts, width
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.runtime = None
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> str:
         """Copy one checkpoint tensor in; returns the bank slice's name for bookkeeping."""
@@ -113,6 +116,8 @@ class ExpertBank(nn.Module):
         return f"{bank}[{expert}]{'' if half is None else ('.gate', '.up')[half]}"
 
     def forward(self, x, topk_weights, topk_ids):
+        if self.runtime is not None:
+            return self.runtime(x, topk_weights, topk_ids)
         return tk.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
 
@@ -215,3 +220,12 @@ class MoeForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def moe_blocks(self) -> dict[int, SparseMoeBlock]:
+        """Decoder layer index -> its sparse MoE block, for the layers that have one."""
+        blocks = {}
+        for i, layer in enumerate(self.model.layers):
+            mlp = getattr(layer, layer.mlp_name)
+            if isinstance(mlp, SparseMoeBlock):
+                blocks[i] = mlp
+        return blocks

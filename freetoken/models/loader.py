@@ -4,6 +4,9 @@ Checkpoints are read lazily: safetensors files are memory-mapped and each tensor
 straight into its parameter, so peak host memory is the model plus one tensor. Before any
 weight is read, the bytes the model needs are compared with what the device has free, so a
 model larger than memory fails at once with a clear error rather than by thrashing.
+Models are built on the meta device first (init_model) so the engine can decide where the
+experts go before anything is allocated; materialize() then puts expert banks it is handed
+in host memory (the MoE expert store) and everything else on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Callable
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from freetoken.models.config import ModelConfig, read_config_json
 from freetoken.models.layers import ExpertBank, MoeForCausalLM
@@ -104,23 +108,49 @@ def _available_bytes(device: torch.device) -> int:
 
 def build_model(model_dir: Path, device: torch.device, dtype) -> tuple[MoeForCausalLM, ModelConfig]:
     """Parse config.json, choose the family and allocate its (unloaded) parameters."""
+    model, cfg = init_model(model_dir, dtype)
+    return materialize(model, device), cfg
+
+
+def init_model(model_dir: Path, dtype) -> tuple[MoeForCausalLM, ModelConfig]:
+    """Parse config.json, choose the family and build its modules on the meta device (shapes
+    and dtypes, no memory), so placement can be decided before anything is allocated."""
     raw = read_config_json(model_dir)
     family = family_for(raw)
     cfg = family.parse(raw, model_dir)
     dtype = resolve_dtype(dtype, cfg)
     with torch.device("meta"):
         model = family.MODEL_CLASS(cfg)
-    model = model.to(dtype)
-    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model.to(dtype), cfg
+
+
+def materialize(model: MoeForCausalLM, device: torch.device,
+                host_banks: dict[ExpertBank, tuple[torch.Tensor, torch.Tensor]] | None = None
+                ) -> MoeForCausalLM:
+    """Allocate a meta-built model's parameters on `device`, except the expert banks named in
+    host_banks, which take the given host tensors (w13, w2) and never touch the device."""
+    host_banks = host_banks or {}
+    on_host = {id(p) for bank in host_banks for p in (bank.w13, bank.w2)}
+    need = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in on_host)
     have = _available_bytes(device)
     if need > have * 0.95:
+        dtype = next(model.parameters()).dtype
         raise CheckpointError(
             f"the model needs {need / 2**30:.2f} GiB of weights in {str(dtype)[6:]} but "
             f"{device} has {have / 2**30:.2f} GiB free")
-    model = model.to_empty(device=device)
-    if cfg.tie_word_embeddings:          # to_empty allocates each module's tensors apart
+    if not host_banks:
+        model = model.to_empty(device=device)
+    else:
+        for module in model.modules():
+            if module in host_banks:
+                w13, w2 = host_banks[module]
+                module.w13 = nn.Parameter(w13, requires_grad=False)
+                module.w2 = nn.Parameter(w2, requires_grad=False)
+            else:
+                module.to_empty(device=device, recurse=False)
+    if model.config.tie_word_embeddings:   # to_empty allocates each module's tensors apart
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model, cfg
+    return model
 
 
 def load_weights(model: MoeForCausalLM, files: list[Path],

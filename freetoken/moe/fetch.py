@@ -1,0 +1,104 @@
+"""Copy experts from the host store into slots of the device pool.
+
+On CUDA every copy runs on one dedicated copy stream, so fetches overlap the compute stream's
+kernels: each layer's misses are enqueued as one batch (behind a wait on the compute stream,
+so a slot is never overwritten while an earlier kernel still reads it) and closed by one event
+that the compute stream waits on before the layer's MoE kernel. Pinned banks are copied by DMA
+straight into their slots; experts of unpinned layers first go through a small ring of pinned
+staging buffers (host memcpy, then DMA), each buffer reused only once its last copy is done.
+On the CPU the same calls are plain copies and there are no streams or events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from freetoken.moe.store import ExpertStore
+
+STAGING_BYTES = 64 * 2 ** 20     # the ring holds about this much, and 2..16 experts
+
+
+@dataclasses.dataclass
+class _StagingBuffer:
+    w13: torch.Tensor               # [2I, D]
+    w2: torch.Tensor                # [D, I]
+    done: object = None             # torch.cuda.Event of the last copy out of it, or None
+
+
+class ExpertFetcher:
+    def __init__(self, store: ExpertStore, w13_pool: torch.Tensor, w2_pool: torch.Tensor,
+                 force_staging: bool = False):
+        """force_staging: route every layer through the ring (tests run it on the CPU)."""
+        self.store, self.w13_pool, self.w2_pool = store, w13_pool, w2_pool
+        self.device = w13_pool.device
+        self.is_cuda = self.device.type == "cuda"
+        self.force_staging = force_staging
+        self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.event = None            # recorded after the latest batch
+        self._ring: list[_StagingBuffer] = []
+        self._next = 0
+        self.num_experts_copied = 0
+        self.bytes_copied = 0
+        self.num_staged = 0
+
+    def fetch(self, layer: int, moves: list[tuple[int, int]]) -> None:
+        """Enqueue copies of layer's experts into slots: moves = [(expert, slot)]."""
+        if not moves:
+            return
+        w13, w2 = self.store.bank(layer)
+        staged = self.force_staging or (self.is_cuda and not self.store.pinned[layer])
+        if self.is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_stream(compute)
+                self._copy(w13, w2, moves, staged)
+                self.event = torch.cuda.Event()
+                self.event.record(self.stream)
+        else:
+            self._copy(w13, w2, moves, staged)
+        self.num_experts_copied += len(moves)
+        self.bytes_copied += len(moves) * self.store.expert_bytes
+
+    def _copy(self, w13, w2, moves, staged: bool) -> None:
+        nb = self.is_cuda
+        for expert, slot in moves:
+            if staged:
+                buf = self._staging_buffer()
+                buf.w13.copy_(w13[expert])
+                buf.w2.copy_(w2[expert])
+                self.w13_pool[slot].copy_(buf.w13, non_blocking=nb)
+                self.w2_pool[slot].copy_(buf.w2, non_blocking=nb)
+                if nb:
+                    buf.done = torch.cuda.Event()
+                    buf.done.record(self.stream)
+                self.num_staged += 1
+            else:
+                self.w13_pool[slot].copy_(w13[expert], non_blocking=nb)
+                self.w2_pool[slot].copy_(w2[expert], non_blocking=nb)
+
+    def _staging_buffer(self) -> _StagingBuffer:
+        if not self._ring:
+            s = self.store
+            n = max(2, min(16, STAGING_BYTES // s.expert_bytes))
+            pin = self.is_cuda
+            self._ring = [_StagingBuffer(
+                torch.empty(2 * s.width, s.hidden, dtype=s.dtype, pin_memory=pin),
+                torch.empty(s.hidden, s.width, dtype=s.dtype, pin_memory=pin)) for _ in range(n)]
+        buf = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        if buf.done is not None:
+            buf.done.synchronize()     # its previous DMA must finish before it is overwritten
+            buf.done = None
+        return buf
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(b.w13.nbytes + b.w2.nbytes for b in self._ring)
+
+    def wait(self) -> None:
+        """Make the compute stream wait for every copy enqueued so far."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            self.event = None

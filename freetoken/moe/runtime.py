@@ -1,0 +1,212 @@
+"""MoeRuntime: runs each MoE layer's routed experts under the resolved plan.
+
+Per layer and step (the router has already picked ids [T, k] and weights [T, k]):
+
+  1. guess: the next MoE layer's router applied to this layer's hidden state x;
+  2. one device -> host copy of ids, the guess (and x, weights for CPU work), one sync;
+  3. cache layers: ensure the experts resident (misses go out as one batch on the copy
+     stream), make the compute stream wait for that batch, start prefetching the guess for
+     the next layer (its copies overlap this layer's kernel), then
+     tk.fused_moe(x, w13_pool, w2_pool, weights, ids, slot_map);
+     hybrid: only K misses are fetched, the others run on the CPU while the kernel runs;
+     cpu layers: x goes to the host, the experts run there, the result comes back.
+
+Prefetch accuracy = guessed experts the next layer then used / experts guessed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+import triton_kernels as tk
+from freetoken.moe.cache import ExpertCache
+from freetoken.moe.config import MoeConfig
+from freetoken.moe.cpu import cpu_moe, torch_threads
+from freetoken.moe.plan import MoePlan, hybrid_k
+from freetoken.moe.policy import make_policy
+from freetoken.moe.store import ExpertStore
+
+Router = Callable[[torch.Tensor], torch.Tensor]    # x [T, D] -> guessed expert ids [T, k]
+
+
+class MoeRuntime:
+    def __init__(self, plan: MoePlan, cfg: MoeConfig, store: ExpertStore, device,
+                 routers: dict[int, Router], top_k: int, force_staging: bool = False):
+        self.plan, self.cfg, self.store, self.top_k = plan, cfg, store, top_k
+        self.device = torch.device(device)
+        self.routers = routers
+        self.cache = None
+        if plan.cache_layers:
+            policy = make_policy(cfg.cache_policy, cfg.lfu_decay)
+            self.cache = ExpertCache(store, plan.cache_layers, plan.cache_slots, policy,
+                                     self.device, force_staging)
+        moe_layers = sorted(set(plan.cpu_layers) | set(plan.cache_layers))
+        self.mode = {l: "cpu" if l in plan.cpu_layers else plan.backend for l in moe_layers}
+        # Prefetch targets the next MoE layer, when the cache serves it.
+        self.next_cached = {a: b for a, b in zip(moe_layers, moe_layers[1:])
+                            if b in plan.cache_layers and cfg.prefetch}
+        self.hybrid_k, self.hybrid_k_source = None, None
+        if plan.backend == "hybrid" and self.cache is not None:
+            self._resolve_hybrid_k()
+        self._guesses: dict[int, set[int]] = {}
+        self.num_steps = 0
+        self.prefetch_guessed = 0
+        self.prefetch_used = 0
+        self.cpu_experts = {l: 0 for l in moe_layers}
+
+    def layer_fn(self, layer: int):
+        """The callable an ExpertBank runs instead of the resident kernel."""
+        return lambda x, weights, ids: self.run_layer(layer, x, weights, ids)
+
+    def begin_step(self) -> None:
+        self.num_steps += 1
+        self._guesses.clear()
+        if self.cache is not None:
+            self.cache.begin_step()
+
+    def reset_counters(self) -> None:
+        """Zero the live counters (e.g. after warmup); the cache keeps its contents."""
+        self.num_steps = self.prefetch_guessed = self.prefetch_used = 0
+        self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
+        if self.cache is not None:
+            self.cache.reset_counters()
+
+    # -- one layer ----------------------------------------------------------------------------
+    def run_layer(self, layer: int, x: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+        mode = self.mode[layer]
+        nxt = self.next_cached.get(layer)
+        guess = self.routers[nxt](x) if nxt is not None else None
+        cpu_work = mode in ("cpu", "hybrid")
+        ids_h, guess_h, x_h, w_h = self._to_host(ids, guess, x if cpu_work else None,
+                                                 weights if cpu_work else None)
+        # Distinct experts, busiest first: hybrid fetches the ones with the most rows.
+        counts = torch.bincount(ids_h.reshape(-1), minlength=self.store.num_experts).tolist()
+        needed = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e))
+        self._score_guess(layer, needed)
+        if mode == "cpu":
+            self._prefetch(nxt, guess_h, set())
+            self.cpu_experts[layer] += len(needed)
+            return self._cpu(layer, x_h, w_h, ids_h, None).to(x.device)
+
+        res = self.cache.ensure(layer, needed, self.hybrid_k if mode == "hybrid" else None)
+        self.cache.wait()
+        self._prefetch(nxt, guess_h, {(layer, e) for e in needed})
+        on_device = res.hits + res.fetched
+        if not res.skipped:
+            return self._kernel(layer, x, weights, ids)
+        cpu_ids = torch.tensor(res.skipped, device=ids.device)
+        out = None
+        if on_device:      # CPU pairs point at a resident expert with weight 0
+            off = torch.isin(ids, cpu_ids)
+            out = self._kernel(layer, x, weights.masked_fill(off, 0),
+                               ids.masked_fill(off, on_device[0]))
+        self.cpu_experts[layer] += len(res.skipped)
+        cpu_out = self._cpu(layer, x_h, w_h, ids_h, res.skipped).to(x.device)
+        return cpu_out if out is None else out + cpu_out
+
+    def _kernel(self, layer, x, weights, ids) -> torch.Tensor:
+        c = self.cache
+        return tk.fused_moe(x, c.w13_pool, c.w2_pool, weights, ids, c.slot_map(layer))
+
+    def _cpu(self, layer, x_h, w_h, ids_h, experts) -> torch.Tensor:
+        w13, w2 = self.store.bank(layer)
+        with torch_threads(self.cfg.cpu_threads):
+            return cpu_moe(x_h, w13, w2, w_h, ids_h, experts)
+
+    def _prefetch(self, nxt, guess_h, protected) -> None:
+        if nxt is None:
+            return
+        guessed = torch.unique(guess_h).tolist()
+        self._guesses[nxt] = set(guessed)
+        limit = self.hybrid_k if self.mode[nxt] == "hybrid" else None
+        self.cache.prefetch(nxt, guessed, protected, limit)
+
+    def _score_guess(self, layer: int, needed: list[int]) -> None:
+        guessed = self._guesses.pop(layer, None)
+        if guessed is not None:
+            self.prefetch_guessed += len(guessed)
+            self.prefetch_used += len(guessed.intersection(needed))
+
+    def _to_host(self, *tensors):
+        """Host copies of the given device tensors (None passes through), one sync for all."""
+        if self.device.type != "cuda":
+            return tensors
+        out = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+               .copy_(t, non_blocking=True) for t in tensors]
+        torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    # -- startup --------------------------------------------------------------------------------
+    def _resolve_hybrid_k(self) -> None:
+        if self.cfg.hybrid_k is not None:
+            self.hybrid_k = min(self.cfg.hybrid_k, self.top_k)
+            self.hybrid_k_source = f"moe_hybrid_k={self.cfg.hybrid_k}"
+            return
+        fetch_s, cpu_s = self._measure_expert_costs()
+        self.hybrid_k = hybrid_k(self.top_k, fetch_s, cpu_s)
+        self.hybrid_k_source = (f"measured: fetch {fetch_s * 1e3:.3f} ms/expert, CPU "
+                                f"{cpu_s * 1e3:.3f} ms/expert (1 token)")
+
+    def _measure_expert_costs(self, repeats: int = 3) -> tuple[float, float]:
+        """Seconds to copy one expert into the pool, and to run it on the CPU for one token.
+        Slot 0 is scratch here: nothing is mapped yet."""
+        layer = self.plan.cache_layers[0]
+        w13, w2 = self.store.bank(layer)
+        pool13, pool2 = self.cache.w13_pool, self.cache.w2_pool
+        cuda = self.device.type == "cuda"
+        fetch, cpu = [], []
+        x = torch.zeros(1, self.store.hidden, dtype=self.store.dtype)
+        one = torch.ones(1, 1, dtype=self.store.dtype)
+        zero = torch.zeros(1, 1, dtype=torch.int64)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pool13[0].copy_(w13[0], non_blocking=cuda)
+            pool2[0].copy_(w2[0], non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            fetch.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with torch_threads(self.cfg.cpu_threads):
+                cpu_moe(x, w13, w2, one, zero)
+            cpu.append(time.perf_counter() - t0)
+        return min(fetch), min(cpu)
+
+    # -- report ---------------------------------------------------------------------------------
+    def report(self) -> dict:
+        c, s = self.cache, self.store
+        per_layer = [{"layer": l, "mode": self.mode[l],
+                      "hits": c.hits.get(l, 0) if c else 0,
+                      "misses": c.misses.get(l, 0) if c else 0,
+                      "cpu_experts": self.cpu_experts[l]} for l in sorted(self.mode)]
+        lookups = c.num_lookups if c else 0
+        hits = sum(c.hits.values()) if c else 0
+        return {
+            "policy": c.policy.name if c else None,
+            "lfu_decay": self.cfg.lfu_decay if c and c.policy.name == "lfu-decay" else None,
+            "cache": None if c is None else {
+                "slots": c.num_slots, "bytes": c.pool_bytes, "min_slots": self.plan.min_slots,
+                "sizing": self.plan.sizing, "layers": list(self.plan.cache_layers),
+                "slots_in_use": len(c.slot_of), "staging_bytes": c.fetcher.staging_bytes},
+            "host": {"expert_bytes": s.total_bytes, "pinned_bytes": s.pinned_bytes,
+                     "pin_budget_bytes": s.pin_budget_bytes},
+            "cpu_layers": list(self.plan.cpu_layers),
+            "cpu_threads": self.cfg.cpu_threads or torch.get_num_threads(),
+            "hybrid_k": self.hybrid_k, "hybrid_k_source": self.hybrid_k_source,
+            "prefetch": bool(self.next_cached),
+            "counters": {
+                "steps": self.num_steps, "lookups": lookups, "hits": hits,
+                "misses": lookups - hits, "hit_rate": hits / lookups if lookups else None,
+                "experts_fetched": c.fetcher.num_experts_copied if c else 0,
+                "bytes_fetched": c.fetcher.bytes_copied if c else 0,
+                "evictions": c.num_evictions if c else 0,
+                "prefetch_fetched": c.num_prefetched if c else 0,
+                "prefetch_guessed": self.prefetch_guessed, "prefetch_used": self.prefetch_used,
+                "prefetch_accuracy": (self.prefetch_used / self.prefetch_guessed
+                                      if self.prefetch_guessed else None),
+                "cpu_experts": sum(self.cpu_experts.values()),
+                "per_layer": per_layer},
+        }

@@ -1,0 +1,106 @@
+"""The expert store: every offloaded MoE layer's experts in host RAM, one contiguous bank pair
+per layer in the layout the MoE kernel reads: w13 [E, 2I, D] (gate rows then up rows) and
+w2 [E, D, I], in the model's dtype (the checkpoint's, unless the engine was asked to cast).
+
+The store allocates the banks; the loader fills them from the safetensors files (through the
+model's ExpertBank parameters, which are these tensors) so its progress callback covers them.
+When CUDA is in use, whole layers are page-locked in place (cudaHostRegister, no copy and no
+power-of-two rounding) until `pin_budget_bytes` is spent; the fetcher sends the rest through
+a small pinned staging ring.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+
+import torch
+
+from freetoken.moe.plan import GiB, MoePlanError
+
+log = logging.getLogger("freetoken.moe")
+DEFAULT_PIN_FRACTION = 0.6      # of MemAvailable at startup: leave the OS its page cache
+
+
+def host_available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def default_pin_budget(available: int) -> int:
+    return int(DEFAULT_PIN_FRACTION * available)
+
+
+class ExpertStore:
+    def __init__(self, layers: tuple[int, ...], num_experts: int, hidden: int, width: int,
+                 dtype: torch.dtype, pin: bool = False, pin_budget_bytes: int | None = None,
+                 available_bytes: int | None = None):
+        """pin: page-lock within pin_budget_bytes (None: DEFAULT_PIN_FRACTION of free RAM);
+        only meaningful with CUDA. available_bytes: host RAM free (None: /proc/meminfo)."""
+        self.layers = tuple(layers)
+        self.num_experts, self.hidden, self.width, self.dtype = num_experts, hidden, width, dtype
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.w13_expert_bytes = 2 * width * hidden * elem
+        self.w2_expert_bytes = hidden * width * elem
+        self.expert_bytes = self.w13_expert_bytes + self.w2_expert_bytes
+        self.layer_bytes = num_experts * self.expert_bytes
+        self.total_bytes = len(self.layers) * self.layer_bytes
+        available = host_available_bytes() if available_bytes is None else available_bytes
+        if self.total_bytes > available:
+            raise MoePlanError(f"the offloaded experts need {self.total_bytes / GiB:.2f} GiB of "
+                               f"host RAM, {available / GiB:.2f} GiB is available")
+        self.pin_budget_bytes = (0 if not pin else default_pin_budget(available)
+                                 if pin_budget_bytes is None else pin_budget_bytes)
+        self.w13: dict[int, torch.Tensor] = {}
+        self.w2: dict[int, torch.Tensor] = {}
+        self.pinned: dict[int, bool] = {}
+        self._registered: list[int] = []
+        for layer in self.layers:
+            self.w13[layer] = torch.empty(num_experts, 2 * width, hidden, dtype=dtype)
+            self.w2[layer] = torch.empty(num_experts, hidden, width, dtype=dtype)
+            self.pinned[layer] = (self.pinned_bytes + self.layer_bytes <= self.pin_budget_bytes
+                                  and self._pin(layer))
+        self._finalizer = weakref.finalize(self, _unregister, self._registered)
+        if pin:
+            log.info("expert store: %d layers, %.2f GiB in host RAM, %.2f GiB pinned (budget %.2f GiB)",
+                     len(self.layers), self.total_bytes / GiB, self.pinned_bytes / GiB,
+                     self.pin_budget_bytes / GiB)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.layer_bytes for layer, p in self.pinned.items() if p)
+
+    def bank(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.w13[layer], self.w2[layer]
+
+    def _pin(self, layer: int) -> bool:
+        """Page-lock both banks of a layer in place; False (and pageable) if the driver refuses."""
+        cudart = torch.cuda.cudart()
+        done = []
+        for t in (self.w13[layer], self.w2[layer]):
+            err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+            if err != 0:
+                log.warning("cannot pin layer %d's experts (cudaError %d); it goes through the "
+                            "staging ring", layer, err)
+                _unregister(done)
+                return False
+            done.append(t.data_ptr())
+        self._registered.extend(done)
+        return True
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _unregister(ptrs: list[int]) -> None:
+    if ptrs and torch.cuda.is_available():
+        cudart = torch.cuda.cudart()
+        for p in ptrs:
+            cudart.cudaHostUnregister(p)
+    ptrs.clear()

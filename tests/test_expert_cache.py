@@ -1,0 +1,290 @@
+"""The GPU expert cache and its policies under seeded random routing traces (on the CPU, where
+the pool is a separate host buffer and the logic is the same), and the startup arithmetic that
+sizes it: backend choice, auto cache slots, the one-layer floor, CPU layers, hybrid K."""
+
+import random
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from freetoken.moe.cache import ExpertCache
+from freetoken.moe.config import MoeConfig, parse_cpu_layers
+from freetoken.moe.plan import (DeviceMemory, MoePlanError, MoeShape, auto_cache_budget,
+                                hybrid_k, plan_moe, resolve_cpu_layers)
+from freetoken.moe.policy import LFUDecayPolicy, LRUPolicy, make_policy
+from freetoken.moe.store import ExpertStore
+
+MiB, GiB = 2 ** 20, 2 ** 30
+
+
+def make_store(num_layers=4, num_experts=8, hidden=8, width=4, seed=0) -> ExpertStore:
+    store = ExpertStore(tuple(range(num_layers)), num_experts, hidden, width, torch.float32,
+                        available_bytes=GiB)
+    g = torch.Generator().manual_seed(seed)
+    for layer in store.layers:       # distinct random weights: a mixed-up slot cannot pass
+        store.w13[layer].copy_(torch.randn(store.w13[layer].shape, generator=g))
+        store.w2[layer].copy_(torch.randn(store.w2[layer].shape, generator=g))
+    return store
+
+
+def assert_consistent(cache: ExpertCache, store: ExpertStore) -> None:
+    """Every mapped slot holds its expert's weights; maps, owners and free slots agree."""
+    for (layer, e), slot in cache.slot_of.items():
+        assert cache.owner[slot] == (layer, e)
+        assert torch.equal(cache.w13_pool[slot], store.w13[layer][e]), f"slot {slot} != {layer}/{e} w13"
+        assert torch.equal(cache.w2_pool[slot], store.w2[layer][e]), f"slot {slot} != {layer}/{e} w2"
+    assert len(set(cache.slot_of.values())) == len(cache.slot_of)
+    assert sum(o is not None for o in cache.owner) == len(cache.slot_of)
+    for layer in cache.layers:
+        want = torch.full((store.num_experts,), -1, dtype=torch.int32)
+        for (l, e), slot in cache.slot_of.items():
+            if l == layer:
+                want[e] = slot
+        assert torch.equal(cache.host_slot_map(layer), want)
+        assert torch.equal(cache.slot_map(layer).cpu(), want)
+
+
+@pytest.mark.parametrize("policy,slots,staging", [("lru", 8, False), ("lfu-decay", 8, True),
+                                                  ("lru", 21, True), ("lfu-decay", 32, False)])
+def test_random_traces_keep_the_cache_consistent(policy, slots, staging):
+    store = make_store()
+    cache = ExpertCache(store, store.layers, slots, make_policy(policy), "cpu",
+                        force_staging=staging)
+    rng = random.Random(slots)
+    lookups = fetched = 0
+    for _ in range(40):
+        cache.begin_step()
+        for layer in store.layers:
+            needed = rng.sample(range(8), rng.randint(1, 8))
+            in_use = {(layer, e) for e in needed}
+            max_fetch = rng.choice([None, None, 0, 2])         # hybrid's cap now and then
+            res = cache.ensure(layer, needed, max_fetch)
+            lookups += len(needed)
+            fetched += len(res.fetched)
+            assert sorted(res.hits + res.fetched + res.skipped) == sorted(needed)
+            assert max_fetch is None and not res.skipped or len(res.fetched) <= max_fetch
+            assert not in_use & set(res.evicted), "evicted an expert the step uses"
+            assert all((layer, e) in cache.slot_of for e in res.hits + res.fetched)
+            assert all((layer, e) not in cache.slot_of for e in res.skipped)
+            # The next layer's guess is fetched while this layer computes: it may evict
+            # anything but this layer's experts.
+            nxt = (layer + 1) % len(store.layers)
+            cache.prefetch(nxt, rng.sample(range(8), rng.randint(1, 8)),
+                           {(layer, e) for e in res.hits + res.fetched})
+            assert all((layer, e) in cache.slot_of for e in res.hits + res.fetched)
+            assert_consistent(cache, store)
+    assert cache.num_lookups == lookups
+    assert sum(cache.hits.values()) + sum(cache.misses.values()) == lookups
+    assert cache.num_evictions > 0 or slots >= 32
+    copied = fetched + cache.num_prefetched
+    assert cache.fetcher.num_experts_copied == copied
+    assert cache.fetcher.bytes_copied == copied * store.expert_bytes
+    assert (cache.fetcher.num_staged == copied) == staging
+
+
+def test_lru_evicts_the_least_recently_used():
+    store = make_store(num_layers=3, num_experts=8)
+    cache = ExpertCache(store, store.layers, 8, LRUPolicy(), "cpu")
+    order: OrderedDict = OrderedDict()          # the reference: oldest use first
+    rng = random.Random(1)
+    for _ in range(50):
+        cache.begin_step()
+        for layer in store.layers:
+            needed = rng.sample(range(8), rng.randint(1, 5))
+            protected = {(layer, e) for e in needed}
+            expected = []
+            for e in needed:
+                key = (layer, e)
+                if key not in order and len(order) == 8:
+                    victim = next(k for k in order if k not in protected)
+                    del order[victim]
+                    expected.append(victim)
+                order[key] = None
+                order.move_to_end(key)
+            assert cache.ensure(layer, needed).evicted == expected
+    assert cache.num_evictions > 50
+
+
+def test_lfu_decay_evicts_the_lowest_decayed_count():
+    # decay 0.5 keeps both sides in exact binary arithmetic, so even ties must agree.
+    decay = 0.5
+    store = make_store(num_layers=3, num_experts=8)
+    cache = ExpertCache(store, store.layers, 8, LFUDecayPolicy(decay), "cpu")
+    score, stamp, clock = {}, {}, 0
+    rng = random.Random(2)
+    for _ in range(40):
+        cache.begin_step()
+        score = {k: v * decay for k, v in score.items()}
+        for layer in store.layers:
+            needed = rng.sample(range(8), rng.randint(1, 5))
+            protected = {(layer, e) for e in needed}
+            expected = []
+            for e in needed:
+                key = (layer, e)
+                if key not in score and len(score) == 8:
+                    victim = min((k for k in score if k not in protected),
+                                 key=lambda k: (score[k], stamp[k]))
+                    del score[victim], stamp[victim]
+                    expected.append(victim)
+                score[key] = score.get(key, 0.0) + 1.0
+                stamp[key] = clock = clock + 1
+            assert cache.ensure(layer, needed).evicted == expected
+    for key, value in score.items():
+        assert cache.policy.score(key) == value
+
+
+def test_lfu_decay_ties_go_to_the_least_recent_and_counts_survive_rescaling():
+    p = LFUDecayPolicy(0.5)
+    for key in [(0, 0), (0, 1), (0, 2)]:
+        p.insert(key)
+        p.touch(key)
+    assert p.victim(set()) == (0, 0)           # equal counts: the oldest use goes
+    assert p.victim({(0, 0)}) == (0, 1)
+    p.touch((0, 0))
+    assert p.victim(set()) == (0, 1)
+    for _ in range(600):                       # 2**600 would overflow without the rescale
+        p.advance()
+        p.touch((0, 2))
+    assert p.score((0, 2)) == pytest.approx(2.0)
+    assert p.victim(set()) in {(0, 0), (0, 1)}
+
+
+def skewed_correlated_trace(seed: int, layers=4, experts=32, top_k=4, steps=400):
+    """Per layer, expert popularity is Zipf (p(rank r) ~ 1 / (r + 1), a random expert order per
+    layer); each of a step's k picks repeats the previous step's pick with probability 0.25
+    (consecutive tokens route alike), else is drawn from the Zipf law; every 100 steps 8 random
+    swaps of each layer's order shift which experts are hot (a change of topic)."""
+    rng = random.Random(seed)
+    order = [rng.sample(range(experts), experts) for _ in range(layers)]
+    weights = [1 / (r + 1) for r in range(experts)]
+    prev = [rng.sample(range(experts), top_k) for _ in range(layers)]
+    trace = []
+    for t in range(steps):
+        if t and t % 100 == 0:
+            for o in order:
+                for _ in range(8):
+                    i, j = rng.randrange(experts), rng.randrange(experts)
+                    o[i], o[j] = o[j], o[i]
+        step = []
+        for layer in range(layers):
+            picks = []
+            for j in range(top_k):
+                e = prev[layer][j] if rng.random() < 0.25 else None
+                while e is None or e in picks:
+                    e = order[layer][rng.choices(range(experts), weights)[0]]
+                picks.append(e)
+            prev[layer] = picks
+            step.append(picks)
+        trace.append(step)
+    return trace
+
+
+def hit_rate(trace, policy, slots) -> float:
+    store = ExpertStore(tuple(range(4)), 32, 4, 2, torch.float32, available_bytes=GiB)
+    cache = ExpertCache(store, store.layers, slots, policy, "cpu")
+    for step in trace:
+        cache.begin_step()
+        for layer, picks in enumerate(step):
+            cache.ensure(layer, picks)
+    return sum(cache.hits.values()) / cache.num_lookups
+
+
+def test_lfu_decay_beats_lru_on_a_skewed_correlated_trace():
+    trace = skewed_correlated_trace(0)
+    lru = hit_rate(trace, LRUPolicy(), 32)                 # 32 slots for 128 experts
+    lfu = hit_rate(trace, LFUDecayPolicy(0.8), 32)
+    no_decay = hit_rate(trace, LFUDecayPolicy(1.0), 32)    # plain LFU: stuck on old topics
+    print(f"hit rate: lru {lru:.3f}, lfu-decay(0.8) {lfu:.3f}, lfu without decay {no_decay:.3f}")
+    assert lfu > lru + 0.015
+    assert no_decay < lru
+
+
+# -- startup arithmetic --------------------------------------------------------------------------
+SHAPE = MoeShape(moe_layers=(0, 1, 2, 3), num_experts=16, top_k=4, expert_bytes=64 * MiB,
+                 dense_bytes=2 * GiB, kv_bytes_per_token=64 * 1024)   # experts: 4 GiB in all
+KV = 8192                                                             # 512 MiB of KV
+
+
+def test_auto_resolves_resident_when_everything_fits_else_offload():
+    # dense 2 + experts 4 + KV 0.5 + reserve 1 = 7.5 GiB
+    plan = plan_moe(MoeConfig(), SHAPE, DeviceMemory("cuda", 8 * GiB, 1 * GiB), 4096, KV)
+    assert plan.backend == "resident" and plan.cache_slots == 0 and "7.50 GiB fit" in plan.reason
+    plan = plan_moe(MoeConfig(), SHAPE, DeviceMemory("cuda", 6 * GiB, 1 * GiB), 4096, KV)
+    assert plan.backend == "offload" and "exceed 6.00 GiB" in plan.reason
+    # 6 - 1 - 2 - 0.5 = 2.5 GiB = 2560 MiB -> 40 slots of 64 MiB
+    assert auto_cache_budget(SHAPE, DeviceMemory("cuda", 6 * GiB, 1 * GiB), KV) == 2560 * MiB
+    assert plan.cache_slots == 40 and plan.cache_layers == (0, 1, 2, 3)
+    assert plan.min_slots == 16
+    # A CPU device: auto is resident; offload there caches every expert.
+    assert plan_moe(MoeConfig(), SHAPE, DeviceMemory("cpu", GiB), 4096, KV).backend == "resident"
+    plan = plan_moe(MoeConfig(backend="offload"), SHAPE, DeviceMemory("cpu", GiB), 4096, KV)
+    assert plan.cache_slots == 64
+    # Sizing the cache asks for one: auto then offloads even where everything fits.
+    plan = plan_moe(MoeConfig(cache_size=16), SHAPE, DeviceMemory("cuda", 8 * GiB, GiB), 4096, KV)
+    assert plan.backend == "offload" and plan.cache_slots == 16
+
+
+def test_cache_too_small_for_one_layer_is_a_clear_error():
+    # 4 - 1 - 2 - 0.5 = 0.5 GiB: 8 slots, but one step can touch all 16 experts of a layer.
+    with pytest.raises(MoePlanError, match="gets 8 slots.*fewer than the 16"):
+        plan_moe(MoeConfig(), SHAPE, DeviceMemory("cuda", 4 * GiB, 1 * GiB), 4096, KV)
+    with pytest.raises(MoePlanError, match="fewer than the 16"):
+        plan_moe(MoeConfig(backend="offload", cache_size=15), SHAPE, DeviceMemory("cpu", GiB), 4096, KV)
+    # A single-token step needs only top_k slots.
+    plan = plan_moe(MoeConfig(backend="offload", cache_size=4), SHAPE, DeviceMemory("cpu", GiB), 1, KV)
+    assert plan.cache_slots == 4 and plan.min_slots == 4
+    # Explicit sizes are checked against the device: 6 - 1 - 2 = 3 GiB holds 48 slots, not 60.
+    with pytest.raises(MoePlanError, match="60 slots need 3.75 GiB"):
+        plan_moe(MoeConfig(backend="offload", cache_size=60), SHAPE,
+                 DeviceMemory("cuda", 6 * GiB, 1 * GiB), 4096, KV)
+    plan = plan_moe(MoeConfig(backend="hybrid", cache_rate=0.3), SHAPE,
+                    DeviceMemory("cuda", 6 * GiB, 1 * GiB), 4096, KV)
+    assert plan.cache_slots == 20                 # ceil(0.3 * 64)
+    plan = plan_moe(MoeConfig(backend="offload", cache_size=1000), SHAPE,
+                    DeviceMemory("cpu", GiB), 4096, KV)
+    assert plan.cache_slots == 64                 # never more than there are experts
+
+
+def test_cpu_layers_and_hybrid_k():
+    layers = (1, 3, 5, 7)
+    assert resolve_cpu_layers(2, layers) == (1, 3)
+    assert resolve_cpu_layers(0.5, layers) == (1, 3)
+    assert resolve_cpu_layers((7, 3), layers) == (3, 7)
+    with pytest.raises(MoePlanError, match=r"\[2\] are not MoE layers"):
+        resolve_cpu_layers((2,), layers)
+    plan = plan_moe(MoeConfig(cpu_layers=(1, 3)), SHAPE, DeviceMemory("cuda", 6 * GiB, GiB), 4096, KV)
+    assert plan.backend == "offload" and plan.cpu_layers == (1, 3) and plan.cache_layers == (0, 2)
+    assert plan.cache_slots == 32                 # 2 layers' experts; 40 would fit
+    assert parse_cpu_layers("0,3") == (0, 3) and parse_cpu_layers("2") == 2
+    assert parse_cpu_layers("0.25") == 0.25
+    # Fetch 1 ms, CPU 3 ms per expert: fetching 6 of 8 finishes with the CPU's 2.
+    assert hybrid_k(8, 1e-3, 3e-3) == 6
+    assert hybrid_k(8, 3e-3, 1e-3) == 2
+    assert hybrid_k(8, 1e-3, 0.0) == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(backend="gpu"), "moe_backend must be one of"),
+    (dict(cache_size=4, cache_rate=0.5), "not both"),
+    (dict(cache_rate=1.5), r"moe_cache_rate must be in \(0, 1\]"),
+    (dict(cache_size=0), "positive number of slots"),
+    (dict(cache_policy="fifo"), "moe_cache_policy"),
+    (dict(backend="resident", cpu_layers=2), "moe_cpu_layers applies"),
+    (dict(backend="cpu", cache_size=8), "has none"),
+    (dict(backend="offload", hybrid_k=2), "moe_hybrid_k applies"),
+    (dict(cpu_layers=1.5), "fraction"),
+    (dict(pin_budget_gb=-1), "pin_budget_gb"),
+])
+def test_moe_config_is_validated(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoeConfig(**kwargs)
+
+
+def test_store_checks_host_memory_and_pins_only_with_cuda():
+    with pytest.raises(MoePlanError, match="host RAM"):
+        ExpertStore((0, 1), 8, 64, 32, torch.float32, available_bytes=1000)
+    store = make_store()
+    assert store.pinned_bytes == 0 and store.pin_budget_bytes == 0
+    assert store.expert_bytes == 3 * 8 * 4 * 4 and store.total_bytes == 4 * 8 * store.expert_bytes
+    assert store.w13[0].shape == (8, 8, 8) and store.w2[0].shape == (8, 8, 4)
