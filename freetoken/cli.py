@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default: all cores but one)")
     s.add_argument("--api-key", help="require this key (also FREETOKEN_API_KEY; the flag wins)")
     s.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
+    s.add_argument("--reasoning-parser", default="auto", metavar="auto|off|NAME",
+                   help="split the model's thinking from its answer: auto (the family's markers), "
+                        "off, or a family name (qwen3, glm, gemma4, minimax_m3, deepseek_r1)")
+    s.add_argument("--ping-interval", type=float, default=15.0, metavar="S",
+                   help="streams send a keep-alive ping after S seconds without output")
+    _add_moe_flags(s)
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
 
     c = sub.add_parser("ctl", help="ask a running server for its health, stats or models")
@@ -53,7 +59,49 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--url", help="the server (default: FREETOKEN_URL or http://127.0.0.1:1919)")
     c.add_argument("--api-key", help="the key (default: FREETOKEN_API_KEY)")
     c.add_argument("--timeout", type=float, default=10.0)
+
+    from freetoken.bench_cli import add_bench_parser    # flags only; the harness loads when run
+    add_bench_parser(sub)
     return parser
+
+
+def _add_moe_flags(s) -> None:
+    from freetoken.moe.config import BACKENDS, POLICIES, parse_cpu_layers
+
+    def cpu_layers(text):
+        try:
+            return parse_cpu_layers(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    g = s.add_argument_group("experts (MoE placement)")
+    g.add_argument("--moe-backend", choices=BACKENDS, default="auto",
+                   help="where experts live and run (auto: resident if everything fits, else offload)")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--moe-cache-size", type=_positive_int, metavar="SLOTS", help="GPU expert cache slots")
+    size.add_argument("--moe-cache-rate", type=float, metavar="FRAC", help="GPU expert cache as a fraction of all experts")
+    size.add_argument("--moe-cache-auto", action="store_true", help="size the cache from free GPU memory (default)")
+    g.add_argument("--moe-cache-policy", choices=POLICIES, default="lru")
+    g.add_argument("--moe-cpu-layers", type=cpu_layers, metavar="IDS|COUNT|FRACTION",
+                   help="compute these layers' experts on the CPU (0,3,5 | 4 | 0.25)")
+    g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N")
+    g.add_argument("--moe-hybrid-k", type=_positive_int, metavar="K",
+                   help="hybrid: misses fetched per layer and step (default: from measured bandwidth)")
+    g.add_argument("--pin-budget-gb", type=float, metavar="GB",
+                   help="host RAM to page-lock for experts (also FREETOKEN_PIN_BUDGET_GB)")
+    g.add_argument("--kv-reserve-tokens", type=_positive_int, default=8192, metavar="N",
+                   help="KV tokens to keep free when sizing the expert cache")
+
+
+def _moe_config(args):
+    from freetoken.moe.config import MoeConfig
+
+    pin = args.pin_budget_gb if args.pin_budget_gb is not None else env.pin_budget_gb()
+    return MoeConfig(backend=args.moe_backend, cache_size=args.moe_cache_size,
+                     cache_rate=args.moe_cache_rate, cache_policy=args.moe_cache_policy,
+                     cpu_layers=args.moe_cpu_layers, cpu_threads=args.moe_cpu_threads,
+                     hybrid_k=args.moe_hybrid_k, pin_budget_gb=pin,
+                     kv_reserve_tokens=args.kv_reserve_tokens)
 
 
 def _resolve_device(args) -> str:
@@ -115,10 +163,11 @@ def serve(args) -> int:
         server = ServerConfig(host=args.host, port=args.port, served_model_name=name,
                               model_path=model, api_key=args.api_key or env.api_key(),
                               max_body_bytes=int(args.max_body_mb * 2**20),
-                              cpu_threads=args.cpu_threads)
+                              cpu_threads=args.cpu_threads, reasoning_parser=args.reasoning_parser,
+                              ping_interval_s=args.ping_interval)
         engine = EngineConfig(model=model, device=_resolve_device(args), dtype=args.dtype,
                               max_model_len=args.max_seq_len_override,
-                              kv_cache_tokens=args.kv_cache_tokens)
+                              kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args))
         scheduler = SchedulerConfig(max_prefill_length=args.max_prefill_length,
                                     max_running_requests=args.max_running_requests)
     except ValueError as e:
@@ -135,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ctl":
         from freetoken.ctl import run
         return run(args.what, args.url or env.server_url(), args.api_key or env.api_key(), args.timeout)
+    if args.command == "bench":
+        from freetoken.bench_cli import run as bench
+        return bench(args)
     return 2
 
 

@@ -88,6 +88,20 @@ class ServerProcess:
         except ValueError:
             return status, raw
 
+    def sse(self, path: str, body: dict, headers: dict | None = None) -> list[tuple[str | None, object]]:
+        """POST a streaming request; returns its events as (event name or None, parsed data)."""
+        status, raw = self.request("POST", path, body, headers)
+        assert status == 200, raw
+        events, name = [], None
+        for line in raw.decode().split("\n"):
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:]
+                events.append((name, data if data == "[DONE]" else json.loads(data)))
+                name = None
+        return events
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

@@ -96,3 +96,20 @@ def test_sentinel_healthy_and_stalled(model_dir, tmp_path):
         assert snap["probe"]["total_s"] > 1.0
         assert snap["snapshot"]["threads"] and all("wchan" in t and "state" in t for t in snap["snapshot"]["threads"])
         assert "read_bytes" in snap["snapshot"]["io"]
+
+
+def test_offload_flags_reach_the_engine(model_dir):
+    """`ft serve --moe-backend offload` serves the same greedy text as the resident default,
+    and /v1/instrumentation reads the placement back off the live engine."""
+    body = {"model": "tiny", "prompt": "the lighthouse keeper", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    with ServerProcess(model_dir) as server:
+        _, resident = server.request("POST", "/v1/completions", body)
+    with ServerProcess(model_dir, "--moe-backend", "offload", "--moe-cache-size", "10",
+                       "--moe-cache-policy", "lfu-decay") as server:
+        _, offload = server.request("POST", "/v1/completions", body)
+        _, inst = server.request("GET", "/v1/instrumentation")
+    assert offload["choices"][0]["text"] == resident["choices"][0]["text"]
+    moe = inst["moe"]
+    assert moe["backend"] == "offload" and moe["policy"] == "lfu-decay"
+    assert moe["counters"]["lookups"] == moe["counters"]["hits"] + moe["counters"]["misses"] > 0

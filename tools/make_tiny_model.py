@@ -27,6 +27,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     p.add_argument("--out", required=True, type=Path, help="folder to write (created if absent)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default="qwen3",
+                   help="template variant: qwen3 (thinking switch), thinking (always on, opened in "
+                        "the prompt), graded (switch, opened in the prompt, reads reasoning_effort)")
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
     p.add_argument("--num-layers", type=int, default=d.num_layers)
     p.add_argument("--num-heads", type=int, default=d.num_heads)
@@ -58,10 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    shape = {k: v for k, v in vars(a).items() if k not in ("family", "out", "seed")}
+    shape = {k: v for k, v in vars(a).items() if k not in ("family", "out", "seed", "chat_template")}
     shape["mlp_only_layers"] = tuple(int(i) for i in a.mlp_only_layers.split(",") if i.strip())
     try:
-        out = make_tiny_model(a.out, family=a.family, seed=a.seed, **shape)
+        out = make_tiny_model(a.out, family=a.family, seed=a.seed, chat_template=a.chat_template, **shape)
     except ValueError as e:
         print(f"make_tiny_model: {e}", file=sys.stderr)
         return 2

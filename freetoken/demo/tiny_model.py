@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from freetoken.demo.tiny_tokenizer import EOS_TOKEN, PAD_TOKEN, build_tokenizer, write_tokenizer
+from freetoken.demo.tiny_tokenizer import (CHAT_TEMPLATES, EOS_TOKEN, PAD_TOKEN, build_tokenizer,
+                                           write_tokenizer)
 
 FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,20 +66,24 @@ class TinyShape:
         return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
 
-def make_tiny_model(out_dir, family: str = "qwen3_moe", seed: int = 0, **shape) -> Path:
+def make_tiny_model(out_dir, family: str = "qwen3_moe", seed: int = 0, chat_template: str = "qwen3",
+                    **shape) -> Path:
     """Write a random-weight checkpoint of `family` into out_dir (created if absent).
 
-    `shape` takes TinyShape's fields (e.g. hidden_size=64, max_shard_mb=1). Returns out_dir.
+    `chat_template` picks the template variant (tiny_tokenizer.CHAT_TEMPLATES: qwen3, thinking,
+    graded); `shape` takes TinyShape's fields (e.g. hidden_size=64, max_shard_mb=1). Returns out_dir.
     """
     s = TinyShape(**shape)
     _validate(family, s)
+    if chat_template not in CHAT_TEMPLATES:
+        raise ValueError(f"unknown chat template {chat_template!r}; choose from {', '.join(CHAT_TEMPLATES)}")
     tok = build_tokenizer()
     if tok.get_vocab_size(with_added_tokens=True) > s.vocab_size:
         raise ValueError(f"vocab_size {s.vocab_size} is smaller than the tokenizer's "
                          f"{tok.get_vocab_size(with_added_tokens=True)} tokens")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(out, model_max_length=s.max_position_embeddings)
+    write_tokenizer(out, model_max_length=s.max_position_embeddings, template=chat_template)
     eos, pad = tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN)
     _write_json(out / "config.json", config_json(family, s, eos_id=eos, bos_id=pad))
     _write_json(out / "generation_config.json",

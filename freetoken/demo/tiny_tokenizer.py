@@ -28,8 +28,41 @@ SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def chat_template() -> str:
-    return (DEMO_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+# The chat template's variants, which differ only in the generation prompt (the last block):
+#   qwen3     Qwen3's: the model opens <think> itself; enable_thinking=false writes an empty block.
+#   thinking  always-on thinking (Qwen3-Thinking-2507 style): the prompt opens the think block;
+#             there is no switch.
+#   graded    the prompt opens the think block unless enable_thinking=false, and a
+#             reasoning_effort is announced in a system turn before the answer.
+_GENERATION_PROMPTS = {
+    "thinking": """{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\\n<think>\\n' -}}
+{%- endif -%}
+""",
+    "graded": """{%- if add_generation_prompt -%}
+    {%- if reasoning_effort is defined and reasoning_effort -%}
+        {{- '<|im_start|>system\\nReasoning effort: ' + reasoning_effort + '<|im_end|>\\n' -}}
+    {%- endif -%}
+    {{- '<|im_start|>assistant\\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\\n\\n</think>\\n\\n' -}}
+    {%- else -%}
+        {{- '<think>\\n' -}}
+    {%- endif -%}
+{%- endif -%}
+""",
+}
+CHAT_TEMPLATES = ("qwen3", *_GENERATION_PROMPTS)
+_SPLIT = "{#- The generation prompt: the template variants of tiny_tokenizer.py replace from here on. -#}\n"
+
+
+def chat_template(variant: str = "qwen3") -> str:
+    source = (DEMO_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+    if variant == "qwen3":
+        return source
+    if variant not in _GENERATION_PROMPTS:
+        raise ValueError(f"unknown chat template {variant!r}; choose from {', '.join(CHAT_TEMPLATES)}")
+    return source.split(_SPLIT)[0] + _SPLIT + _GENERATION_PROMPTS[variant]
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +85,7 @@ def tokenizer_json() -> str:
     return tok.to_str(pretty=True)
 
 
-def tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict:
+def tokenizer_config(tok: Tokenizer, model_max_length: int, template: str = "qwen3") -> dict:
     """tokenizer_config.json, with the keys transformers reads (and writes for Qwen3)."""
     added = {}
     for token_id, token in sorted(tok.get_added_tokens_decoder().items()):
@@ -65,7 +98,7 @@ def tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict:
         "added_tokens_decoder": added,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
         "bos_token": None,
-        "chat_template": chat_template(),
+        "chat_template": chat_template(template),
         "clean_up_tokenization_spaces": False,
         "eos_token": EOS_TOKEN,
         "errors": "replace",
@@ -82,9 +115,9 @@ def build_tokenizer() -> Tokenizer:
     return Tokenizer.from_str(tokenizer_json())
 
 
-def write_tokenizer(out_dir: Path, model_max_length: int) -> None:
-    """Write tokenizer.json and tokenizer_config.json into out_dir."""
+def write_tokenizer(out_dir: Path, model_max_length: int, template: str = "qwen3") -> None:
+    """Write tokenizer.json and tokenizer_config.json (with the named chat template) into out_dir."""
     (out_dir / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
-    config = tokenizer_config(build_tokenizer(), model_max_length)
+    config = tokenizer_config(build_tokenizer(), model_max_length, template)
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

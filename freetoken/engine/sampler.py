@@ -20,6 +20,7 @@ class SampleRow:
     params: SamplingParams
     generator: torch.Generator | None
     banned_ids: tuple[int, ...] = ()   # e.g. EOS before min_tokens is reached
+    forced_id: int | None = None       # every other token masked out (scripted output, tests)
 
 
 @dataclasses.dataclass
@@ -32,11 +33,14 @@ class SampleResult:
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     n, vocab = logits.shape
     raw = logits = logits.float()  # logprobs report the model's own distribution
-    if any(r.banned_ids for r in rows):
+    if any(r.banned_ids or r.forced_id is not None for r in rows):
         logits = logits.clone()
         for i, row in enumerate(rows):
             ids = [t for t in row.banned_ids if 0 <= t < vocab]
             logits[i, ids] = float("-inf")
+            if row.forced_id is not None and 0 <= row.forced_id < vocab:
+                logits[i] = float("-inf")
+                logits[i, row.forced_id] = 0.0
 
     greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
     chosen = logits.argmax(dim=-1)

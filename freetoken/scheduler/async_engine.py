@@ -74,9 +74,10 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a request; raises RequestError (a 400) when it cannot run."""
-        req = self.core.add_request(prompt_token_ids, params, request_id)
+               request_id: str | None = None, forced_token_ids: list[int] | None = None) -> RequestStream:
+        """Queue a request; raises RequestError (a 400) when it cannot run. forced_token_ids:
+        output the sampler must produce first (scripted output for tests)."""
+        req = self.core.add_request(prompt_token_ids, params, request_id, forced_token_ids)
         stream = RequestStream(self, req.request_id, req.num_prompt_tokens)
         self.streams[req.request_id] = stream
         self._wake.set()

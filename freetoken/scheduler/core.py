@@ -95,6 +95,8 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, runner.allocator)
         self.requests: dict[str, Request] = {}
         self.streams: dict[str, TextStream] = {}
+        # request id -> output tokens the sampler must pick first (scripted output, for tests)
+        self.forced: dict[str, list[int]] = {}
         self.stats = EngineStats()
         self.eos_ids = set(runner.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -105,7 +107,7 @@ class EngineCore:
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, forced_token_ids: list[int] | None = None) -> Request:
         self.check_prompt(prompt_token_ids, params.max_tokens)
         n = len(prompt_token_ids)
         room = self.max_model_len - n
@@ -114,6 +116,8 @@ class EngineCore:
             raise RequestError(f"duplicate request id {request_id!r}")
         req = Request(request_id, prompt_token_ids, params, params.max_tokens or room)
         self.requests[request_id] = req
+        if forced_token_ids:
+            self.forced[request_id] = list(forced_token_ids)
         if self.tokenizer is not None:
             self.streams[request_id] = TextStream(self.tokenizer, params)
         self.scheduler.add(req)
@@ -145,6 +149,7 @@ class EngineCore:
         self.scheduler.remove(req)
         req.finish(FinishReason.ABORT)
         self.streams.pop(request_id, None)
+        self.forced.pop(request_id, None)
         return True
 
     @property
@@ -195,7 +200,10 @@ class EngineCore:
         banned = ()
         if req.num_output_tokens < req.params.min_tokens:
             banned = tuple(req.params.stop_token_ids) + (() if req.params.ignore_eos else tuple(self.eos_ids))
-        return SampleRow(req.params, req.generator, banned)
+        forced = self.forced.get(req.request_id)
+        n = req.num_output_tokens
+        return SampleRow(req.params, req.generator, banned,
+                         forced[n] if forced is not None and n < len(forced) else None)
 
     def _advance(self, req: Request, token: int, lp) -> RequestDelta:
         """Stop checks for the new token, then its text."""
@@ -229,3 +237,4 @@ class EngineCore:
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         self.streams.pop(req.request_id, None)
+        self.forced.pop(req.request_id, None)

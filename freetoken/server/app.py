@@ -8,19 +8,24 @@ one guard first: the API key (when one is set), then readiness (503 while loadin
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
 
+import freetoken
 from freetoken.engine.config import EngineConfig
 from freetoken.scheduler.async_engine import AsyncEngine, RequestStream
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.core import EngineCore, RequestError
+from freetoken.server.anthropic.messages import count_tokens, messages
 from freetoken.server.config import ServerConfig
 from freetoken.server.errors import HTTPError
 from freetoken.server.http import Router
+from freetoken.server.model_meta import ModelMeta
 from freetoken.server.openai.chat import chat_completions
 from freetoken.server.openai.completions import completions
+from freetoken.server.openai.responses import responses
 from freetoken.utils import env
 
 log = logging.getLogger("freetoken.server")
@@ -38,6 +43,8 @@ class ServingApp:
         self.error: str | None = None
         self.engine: AsyncEngine | None = None
         self.tokenizer = None
+        self.meta = ModelMeta()          # the family's chat conventions, resolved at load
+        self.script = None               # FREETOKEN_DEBUG_SCRIPT (tests only)
         self.max_model_len = 0
         self.started = time.time()
         self.keep_resident = None
@@ -75,11 +82,29 @@ class ServingApp:
         runner = ModelRunner(self.engine_config, progress=self._progress)
         self.phase = "loading tokenizer"
         self.tokenizer = Tokenizer.from_dir(runner.model_dir)
+        self._resolve_chat(runner.model_config.model_type)
         self.max_model_len = runner.max_model_len
         core = EngineCore(runner, self.tokenizer, self.scheduler_config,
                           instrument_prefill=env.instrument_prefill())
         self._warmup(core)
         return core
+
+    def _resolve_chat(self, model_type: str) -> None:
+        from freetoken.server import model_meta
+        from freetoken.server.debug_script import DebugScript
+
+        try:
+            template = self.tokenizer.get_chat_template()
+        except ValueError:      # no template: the chat routes answer 400, completions still work
+            template = ""
+        self.meta = model_meta.resolve(model_type, template, self.server_config.reasoning_parser,
+                                       set(self.tokenizer.all_special_tokens))
+        log.info("chat conventions: %s", self.meta.describe())
+        path = env.debug_script()
+        if path is not None:
+            self.script = DebugScript.load(path)
+            log.warning("FREETOKEN_DEBUG_SCRIPT=%s: scripted output for %d triggers (tests only)",
+                        path, len(self.script.entries))
 
     def _warmup(self, core: EngineCore) -> None:
         """Compile and tune every kernel shape class before readiness (on by default on CUDA,
@@ -98,6 +123,8 @@ class ServingApp:
         except Exception:   # noqa: BLE001 - a failed warmup costs speed, not service
             log.exception("warmup failed; serving anyway (first requests may compile kernels)")
         core.stats = EngineStats()
+        if getattr(core.runner, "moe", None) is not None:
+            core.runner.moe.reset_counters()     # report serving traffic, not the ladder's
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -125,17 +152,9 @@ class ServingApp:
                             type="invalid_request_error", param="model", code="model_not_found")
         return name
 
-    def render_chat(self, messages: list[dict], tools, template_kwargs: dict) -> list[int]:
+    def submit(self, prompt_ids: list[int], params, forced_token_ids=None) -> RequestStream:
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs)
-        except (ValueError, TypeError, KeyError) as e:
-            raise HTTPError(400, f"cannot render the chat template: {e}",
-                            type="invalid_request_error", param="messages") from None
-
-    def submit(self, prompt_ids: list[int], params) -> RequestStream:
-        try:
-            return self.engine.submit(prompt_ids, params)
+            return self.engine.submit(prompt_ids, params, forced_token_ids=forced_token_ids)
         except RequestError as e:
             raise HTTPError(400, str(e), type="invalid_request_error", param=e.param) from None
 
@@ -149,6 +168,10 @@ class ServingApp:
         r.add("GET", "/v1/instrumentation", self.instrumentation)
         r.add("POST", "/v1/chat/completions", lambda req, resp: chat_completions(self, req, resp))
         r.add("POST", "/v1/completions", lambda req, resp: completions(self, req, resp))
+        r.add("POST", "/v1/responses", lambda req, resp: responses(self, req, resp))
+        r.add("POST", "/v1/messages", lambda req, resp: messages(self, req, resp), dialect="anthropic")
+        r.add("POST", "/v1/messages/count_tokens", lambda req, resp: count_tokens(self, req, resp),
+              dialect="anthropic")
         r.set_guard("/v1/", self.guard)
         return r
 
@@ -196,13 +219,16 @@ class ServingApp:
                       "max_model_len": runner.max_model_len},
             "device": {"type": runner.device.type, "name": str(runner.device),
                        "gpu": _gpu_identity(runner.device),
-                       "torch": torch.__version__, "cpu_threads": torch.get_num_threads()},
+                       "torch": torch.__version__, "triton": _triton_version(),
+                       "cpu_threads": torch.get_num_threads()},
+            "freetoken": {"version": freetoken.__version__, "git_commit": _git_commit()},
             "kernels": {"backend": triton_kernels.get_backend()},
             "kv_cache": {"blocks": alloc.num_blocks, "block_size": alloc.block_size,
                          "tokens": alloc.num_blocks * alloc.block_size, "free_blocks": alloc.num_free},
             "scheduler": {"max_prefill_length": self.scheduler_config.max_prefill_length,
                           "max_running_requests": self.scheduler_config.max_running_requests},
             "warmup": self.warmup_report,
+            "chat": self.meta.describe(),
         }
         moe_report = getattr(runner, "moe_report", None)
         if moe_report is not None:
@@ -213,7 +239,10 @@ class ServingApp:
         name = self.server_config.served_model_name
         response.send_json(200, {"object": "list", "data": [{
             "id": name, "object": "model", "created": int(self.started), "owned_by": "freetoken",
-            "root": self.server_config.model_path, "max_model_len": self.max_model_len}]})
+            "root": self.server_config.model_path, "max_model_len": self.max_model_len,
+            "reasoning_efforts": self.meta.efforts,
+            "reasoning_parser": self.meta.family if self.meta.reasoning else None,
+            "tool_call_format": self.meta.tool_format}]})
 
     async def stats(self, request, response) -> None:
         core = self.engine.core
@@ -228,6 +257,31 @@ class ServingApp:
             "preemptions": core.scheduler.num_preemptions,
             "recent_requests": list(self.engine.recent),
         })
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    """The checkout's commit when FreeToken runs from one (an editable install), else None."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(freetoken.__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
 
 
 def _gpu_identity(device) -> dict | None:

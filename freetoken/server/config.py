@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from freetoken.server.model_meta import PARSER_CHOICES
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -18,6 +20,9 @@ class ServerConfig:
     # torch CPU threads; None = all cores but one, which is left to the event loop's I/O and
     # to local clients (on 2 cores, two busy-waiting OpenMP threads halve streaming speed).
     cpu_threads: int | None = None
+    # How model output is split into reasoning and answer: "auto" (the model family's
+    # markers, when its chat template uses them), "off", or a family name (model_meta.py).
+    reasoning_parser: str = "auto"
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -28,3 +33,8 @@ class ServerConfig:
             raise ValueError("cpu_threads must be positive")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
+        if not self.ping_interval_s > 0:
+            raise ValueError("ping_interval_s must be positive")
+        if self.reasoning_parser not in PARSER_CHOICES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(PARSER_CHOICES)}, "
+                             f"got {self.reasoning_parser!r}")

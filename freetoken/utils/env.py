@@ -105,3 +105,18 @@ def warmup_max_depth() -> int | None:
     if value < 1:
         raise ValueError("FREETOKEN_WARMUP_MAX_DEPTH must be positive")
     return value
+
+
+def debug_script() -> Path | None:
+    """FREETOKEN_DEBUG_SCRIPT (tests only): a JSON file {trigger: output text}. A chat request
+    whose latest user or tool message contains a trigger gets exactly that output, forced
+    token by token through the sampler, so parsers, stop handling and SSE run for real on
+    random weights. Never set it in production."""
+    raw = _get("FREETOKEN_DEBUG_SCRIPT")
+    return Path(raw).expanduser() if raw else None
+
+
+def pin_budget_gb() -> float | None:
+    """FREETOKEN_PIN_BUDGET_GB: host RAM to page-lock for experts (the --pin-budget-gb flag wins)."""
+    raw = _get("FREETOKEN_PIN_BUDGET_GB")
+    return None if raw is None else _float("FREETOKEN_PIN_BUDGET_GB", 0.0)

@@ -1,2 +1,2 @@
-"""The OpenAI dialect: /v1/chat/completions and /v1/completions request parsing and the
-response and stream shapes the official SDK expects."""
+"""The OpenAI dialect: /v1/chat/completions, /v1/completions and /v1/responses request parsing
+and the response and stream shapes the official SDK expects."""

@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages -> chat template -> engine -> message or SSE chunks."""
+"""POST /v1/chat/completions: messages -> chat template -> engine -> message or SSE chunks.
+
+Reasoning comes back as `reasoning_content` (message and delta), tool calls as `tool_calls`
+(streamed as OpenAI does: a first delta with the call's id and name, then argument
+fragments), with finish_reason "tool_calls" when the model stopped to call tools.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,12 @@ import time
 import uuid
 
 from freetoken.server.errors import HTTPError
-from freetoken.server.http import SSE_DONE, sse_event
+from freetoken.server.generation import ChatRequest, start_generation
+from freetoken.server.http import SSE_DONE, SSE_PING, sse_event
+from freetoken.server.model_meta import EFFORTS
 from freetoken.server.openai.params import bad, get_dict, parse_generation
-from freetoken.server.openai.stream import collect, logprobs_chat, usage
+from freetoken.server.openai.stream import logprobs_chat, usage
+from freetoken.server.tools import check_tool_choice, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -51,31 +59,80 @@ def _content_text(content, i: int, allow_none: bool) -> str:
     raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
 
 
+def parse_effort(value, param: str) -> str | None:
+    """An effort value (None when absent); an unknown one is a 400 listing the accepted ones."""
+    if value is None or value in EFFORTS:
+        return value
+    raise bad(param, f"'{param}' must be one of {', '.join(EFFORTS)}; got {value!r}")
+
+
+def _tool_choice(body: dict, tools):
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict):
+            raise bad("tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}')
+        choice = {"name": fn.get("name")}
+    return check_tool_choice(choice, tools)
+
+
+def parse_chat_request(body: dict) -> tuple[ChatRequest, object]:
+    messages = parse_messages(body)
+    opts = parse_generation(body, chat=True)
+    tools = check_tools(body.get("tools"))
+    req = ChatRequest(messages, opts.params, tools, _tool_choice(body, tools),
+                      parse_effort(body.get("reasoning_effort"), "reasoning_effort"),
+                      get_dict(body, "chat_template_kwargs"))
+    return req, opts
+
+
+def _message(gen) -> dict:
+    msg = {"role": "assistant", "content": gen.content or (None if gen.tool_calls else ""),
+           "reasoning_content": gen.reasoning or None}
+    if gen.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in gen.tool_calls]
+    return msg
+
+
+def event_delta(e) -> dict | None:
+    """One parser Event as a chat.completion.chunk delta (None: nothing to send)."""
+    if e.kind == "content":
+        return {"content": e.text}
+    if e.kind == "reasoning":
+        return {"reasoning_content": e.text}
+    if e.kind == "tool_start":
+        return {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                "function": {"name": e.name, "arguments": ""}}]}
+    if e.kind == "tool_args":
+        return {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+    return None
+
+
 async def chat_completions(ctx, request, response) -> None:
     body = request.json()
     model = ctx.check_model(body)
-    messages = parse_messages(body)
-    opts = parse_generation(body, chat=True)
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("tools", "'tools' must be a list")
-    kwargs = get_dict(body, "chat_template_kwargs")
-    prompt_ids = ctx.render_chat(messages, tools, kwargs)
-    stream = ctx.submit(prompt_ids, opts.params)
-    response.on_disconnect(stream.abort)
+    req, opts = parse_chat_request(body)
+    gen, _ = start_generation(ctx, req)
+    response.on_disconnect(gen.stream.abort)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    if not opts.stream:
-        result = await collect(stream)
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                  "logprobs": logprobs_chat(ctx.tokenizer, result) if opts.params.logprobs is not None else None,
-                  "finish_reason": result.finish_reason}
-        response.send_json(200, {"id": rid, "object": "chat.completion", "created": created,
-                                 "model": model, "choices": [choice],
-                                 "usage": usage(stream.num_prompt_tokens, result.num_output_tokens, result.prefill)})
+    if opts.stream:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        await _stream(ctx, gen, opts, response, base)
         return
+    await gen.collect()
+    choice = {"index": 0, "message": _message(gen),
+              "logprobs": logprobs_chat(ctx.tokenizer, gen) if opts.params.logprobs is not None else None,
+              "finish_reason": gen.finish_reason}
+    response.send_json(200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                             "choices": [choice],
+                             "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill)})
 
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+
+async def _stream(ctx, gen, opts, response, base: dict) -> None:
     extra = {"usage": None} if opts.include_usage else {}
+    want_lp = opts.params.logprobs is not None
 
     def chunk(delta: dict, finish=None, logprobs=None) -> bytes:
         return sse_event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
@@ -83,21 +140,22 @@ async def chat_completions(ctx, request, response) -> None:
 
     response.start_stream()
     await response.write(chunk({"role": "assistant", "content": ""}))
-    n_out, prefill = 0, None
     try:
-        async for d in stream:
-            n_out = d.num_output_tokens
-            prefill = d.prefill or prefill
-            out = b""
-            if d.text or (d.logprobs and not d.finished):
-                lp = logprobs_chat(ctx.tokenizer, d) if opts.params.logprobs is not None else None
-                out += chunk({"content": d.text}, logprobs=lp)
+        async for step in gen.steps(ctx.server_config.ping_interval_s):
+            if step is None:
+                await response.write(SSE_PING)
+                continue
+            d = step.delta
+            lp = logprobs_chat(ctx.tokenizer, d) if want_lp and d.logprobs else None
+            deltas = [x for x in map(event_delta, step.events) if x is not None]
+            if lp is not None and not deltas and not d.finished:
+                deltas = [{"content": ""}]
+            out = b"".join(chunk(x, logprobs=lp if i == 0 else None) for i, x in enumerate(deltas))
             if d.finished:
-                out += chunk({}, finish=d.finish_reason)
+                out += chunk({}, finish=gen.finish_reason)
             if out:
                 await response.write(out)
             if response.disconnected:
-                stream.abort()
                 return
     except HTTPError:
         raise
@@ -108,6 +166,7 @@ async def chat_completions(ctx, request, response) -> None:
         return
     tail = b""
     if opts.include_usage:
-        tail += sse_event({**base, "choices": [], "usage": usage(stream.num_prompt_tokens, n_out, prefill)})
+        tail += sse_event({**base, "choices": [],
+                           "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill)})
     await response.write(tail + SSE_DONE)
     response.end_stream()

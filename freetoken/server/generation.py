@@ -1,0 +1,228 @@
+"""One chat generation, whatever the dialect: ChatRequest -> prompt -> engine -> parsed output.
+
+Chat Completions, Responses and Messages each turn their body into a ChatRequest (chat
+messages, tools in Chat Completions' shape, tool_choice, effort, sampling params) and then
+share everything else: the family's template kwargs for the effort, the chat template, the
+text forced at the start of the answer (an empty think block for effort "none" where the
+template cannot turn thinking off; a tool call's header for tool_choice required or named),
+the scripted output of FREETOKEN_DEBUG_SCRIPT, the engine request, and the OutputParser
+that splits reasoning, answer text and tool calls out of the detokenized deltas. The
+dialects only translate the resulting Events into their own JSON and SSE shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.server.debug_script import follow_prompt
+from freetoken.server.errors import HTTPError
+from freetoken.server.reasoning import ReasoningParser
+from freetoken.server.tools import Event, HermesToolParser
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    messages: list[dict]
+    params: SamplingParams
+    tools: list[dict] | None = None            # [{"type": "function", "function": {...}}]
+    tool_choice: str | dict = "auto"           # auto | none | required | {"name": ...}
+    effort: str | None = None                  # None: the template's default
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ToolCall:
+    id: str          # "call_<hex>"; dialects re-prefix the hex as they need
+    name: str
+    arguments: str = ""
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str            # the template's render
+    prefix: str          # forced start of the answer: in the prompt ids, parsed as output
+    token_ids: list[int]
+    in_reasoning: bool   # the render leaves a think block open
+
+
+def build_prompt(ctx, req: ChatRequest) -> Prompt:
+    meta, tok = ctx.meta, ctx.tokenizer
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    kwargs = meta.template_kwargs(req.effort, req.template_kwargs)
+    try:
+        text = tok.apply_chat_template(req.messages, tools=tools, add_generation_prompt=True,
+                                       tokenize=False, **kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise HTTPError(400, f"cannot render the chat template: {e}", type="invalid_request_error",
+                        param="messages") from None
+    in_reasoning = meta.opens_reasoning(text)
+    prefix = ""
+    if req.effort == "none" and (meta.toggle is None or meta.toggle not in req.template_kwargs):
+        prefix = meta.thinking_off_prefix(text)
+    forced = _forced_call(req.tool_choice, meta, tools) if tools else ""
+    if forced and in_reasoning and not prefix:
+        prefix = "\n" + meta.think_end + "\n\n"     # a forced call skips the thinking
+    prefix += forced
+    if meta.markers_are_special:
+        req.params.skip_special_tokens = False
+    return Prompt(text, prefix, tok.encode(text + prefix), in_reasoning)
+
+
+def _forced_call(tool_choice, meta, tools: list[dict]) -> str:
+    """The start of a tool call, so the model must make one (Hermes format only): the
+    header up to the arguments' "{" for a named tool (or the only one), else up to the name."""
+    if meta.tool_format != "hermes" or tool_choice in ("auto", "none"):
+        return ""
+    if tool_choice == "required" and len(tools) == 1:
+        tool_choice = {"name": tools[0]["function"]["name"]}
+    if tool_choice == "required":
+        return '<tool_call>\n{"name": "'
+    name = json.dumps(tool_choice["name"], ensure_ascii=False)
+    return '<tool_call>\n{"name": ' + name + ', "arguments": {'
+
+
+class OutputParser:
+    """Reasoning first; then, in the answer, tool calls (when tools are in play)."""
+
+    def __init__(self, meta, in_reasoning: bool = False, tool_names=None):
+        self.reasoning = ReasoningParser(meta.think_start, meta.think_end, in_reasoning) \
+            if meta.reasoning else None
+        self.tools = HermesToolParser(tool_names) \
+            if tool_names is not None and meta.tool_format == "hermes" else None
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.reasoning is not None and self.reasoning.in_reasoning
+
+    def feed(self, text: str) -> list[Event]:
+        pieces = self.reasoning.feed(text) if self.reasoning else [("content", text)]
+        return self._route(pieces)
+
+    def finish(self) -> list[Event]:
+        events = self._route(self.reasoning.finish() if self.reasoning else [])
+        if self.tools is not None:
+            _extend(events, self.tools.finish())
+        return events
+
+    def _route(self, pieces) -> list[Event]:
+        out: list[Event] = []
+        for kind, text in pieces:
+            if kind == "content" and self.tools is not None:
+                _extend(out, self.tools.feed(text))
+            else:
+                _extend(out, [Event(kind, text)])
+        return out
+
+
+def _extend(out: list[Event], events: list[Event]) -> None:
+    for e in events:
+        if e.kind in ("content", "reasoning") and not e.text:
+            continue
+        if e.kind in ("content", "reasoning") and out and out[-1].kind == e.kind:
+            out[-1] = Event(e.kind, out[-1].text + e.text)
+        else:
+            out.append(e)
+
+
+@dataclasses.dataclass
+class Step:
+    events: list[Event]
+    delta: object        # the engine's RequestDelta (token ids, logprobs, finished)
+
+
+class Generation:
+    """A running chat request: iterate `steps()` (streaming) or await `collect()`; either way
+    the totals (content, reasoning, tool_calls, finish_reason, token counts) add up here."""
+
+    def __init__(self, stream, parser: OutputParser, prefix: str = ""):
+        self.stream = stream
+        self.parser = parser
+        self.num_prompt_tokens = stream.num_prompt_tokens
+        self.content = ""
+        self.reasoning = ""
+        self.tool_calls: list[ToolCall] = []
+        self.finish_reason: str | None = None
+        self.stop_reason = None            # the stop string or token id that ended it
+        self.num_output_tokens = 0
+        self.num_reasoning_tokens = 0
+        self.token_ids: list[int] = []
+        self.logprobs: list = []
+        self.prefill: dict | None = None
+        self._pending = parser.feed(prefix) if prefix else []
+
+    async def steps(self, ping_s: float | None = None):
+        """Yield a Step per engine delta, or None after ping_s seconds without one."""
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(ping_s):
+                        d = await self.stream.__anext__()
+                except TimeoutError:
+                    yield None
+                    continue
+                except StopAsyncIteration:
+                    return
+                yield self._take(d)
+                if d.finished:
+                    return
+        finally:
+            if not self.stream.finished:
+                self.stream.abort()
+
+    async def collect(self) -> "Generation":
+        async for _ in self.steps():
+            pass
+        return self
+
+    def _take(self, d) -> Step:
+        was_reasoning = self.parser.in_reasoning
+        events, self._pending = self._pending, []
+        _extend(events, self.parser.feed(d.text))
+        if d.finished:
+            _extend(events, self.parser.finish())
+        self.num_output_tokens = d.num_output_tokens
+        self.token_ids.extend(d.new_token_ids)
+        self.logprobs.extend(d.logprobs or [])
+        self.prefill = d.prefill or self.prefill
+        if was_reasoning or any(e.kind == "reasoning" for e in events):
+            self.num_reasoning_tokens += len(d.new_token_ids)
+        for e in events:
+            self._record(e)
+        if d.finished:
+            self.stop_reason = d.stop_reason
+            self.finish_reason = "tool_calls" if d.finish_reason == "stop" and self.tool_calls \
+                else d.finish_reason
+        return Step(events, d)
+
+    def _record(self, e: Event) -> None:
+        if e.kind == "content":
+            self.content += e.text
+        elif e.kind == "reasoning":
+            self.reasoning += e.text
+        elif e.kind == "tool_start":
+            e.id = f"call_{uuid.uuid4().hex[:24]}"
+            self.tool_calls.append(ToolCall(e.id, e.name))
+        elif e.kind == "tool_args":
+            self.tool_calls[e.index].arguments += e.text
+
+
+def start_generation(ctx, req: ChatRequest) -> tuple[Generation, Prompt]:
+    """Render, submit and return the running Generation (HTTPError 400 if it cannot run)."""
+    prompt = build_prompt(ctx, req)
+    forced = None
+    if ctx.script is not None:
+        scripted = ctx.script.lookup(req.messages)
+        if scripted is not None:
+            text = follow_prompt(scripted, ctx.meta, prompt.text, prompt.prefix)
+            eos = ctx.tokenizer.eos_token_id
+            forced = ctx.tokenizer.encode(text) + ([eos] if eos is not None else [])
+    stream = ctx.submit(prompt.token_ids, req.params, forced)
+    tool_names = None
+    if req.tools and req.tool_choice != "none":
+        tool_names = [t["function"]["name"] for t in req.tools]
+    parser = OutputParser(ctx.meta, prompt.in_reasoning, tool_names)
+    return Generation(stream, parser, prompt.prefix), prompt
