@@ -26,7 +26,8 @@ from freetoken.models.loader import (checkpoint_files, init_model, load_weights,
 from freetoken.models.rope import build_cos_sin
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
 from freetoken.moe.runtime import MoeRuntime
-from freetoken.moe.store import ExpertStore, host_available_bytes
+from freetoken.moe.store import ExpertStore
+from freetoken.utils.memory import host_available_bytes
 
 log = logging.getLogger("freetoken.engine")
 

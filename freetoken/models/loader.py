@@ -24,6 +24,7 @@ from torch import nn
 from freetoken.models.config import ModelConfig, read_config_json
 from freetoken.models.layers import ExpertBank, MoeForCausalLM
 from freetoken.models.registry import family_for
+from freetoken.utils.memory import host_available_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Keys some checkpoints carry that no forward reads.
@@ -97,13 +98,7 @@ def _available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
+    return host_available_bytes()
 
 
 def build_model(model_dir: Path, device: torch.device, dtype) -> tuple[MoeForCausalLM, ModelConfig]:

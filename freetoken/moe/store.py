@@ -13,24 +13,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from pathlib import Path
 
 import torch
 
 from freetoken.moe.plan import GiB, MoePlanError
+from freetoken.utils.memory import host_available_bytes
 
 log = logging.getLogger("freetoken.moe")
 DEFAULT_PIN_FRACTION = 0.6      # of MemAvailable at startup: leave the OS its page cache
-
-
-def host_available_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
 
 
 def default_pin_budget(available: int) -> int:

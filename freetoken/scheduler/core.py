@@ -16,7 +16,7 @@ from freetoken.engine.sampler import SampleRow, sample
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.output import TextStream
-from freetoken.scheduler.request import FinishReason, Request, RequestStatus
+from freetoken.scheduler.request import FinishReason, Request
 from freetoken.scheduler.scheduler import ScheduledChunk, Scheduler
 
 
