@@ -109,7 +109,10 @@ def test_offload_flags_reach_the_engine(model_dir):
                        "--moe-cache-policy", "lfu-decay") as server:
         _, offload = server.request("POST", "/v1/completions", body)
         _, inst = server.request("GET", "/v1/instrumentation")
+        metrics = scrape(server)
     assert offload["choices"][0]["text"] == resident["choices"][0]["text"]
+    assert metrics[("freetoken_expert_cache_misses_total", ())] > 0
+    assert metrics[("freetoken_expert_bytes_fetched_total", ())] > 0
     moe = inst["moe"]
     assert moe["backend"] == "offload" and moe["policy"] == "lfu-decay"
     assert moe["counters"]["lookups"] == moe["counters"]["hits"] + moe["counters"]["misses"] > 0

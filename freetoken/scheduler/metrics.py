@@ -29,6 +29,14 @@ class EngineMetrics:
         self.itl = r.add(Histogram("freetoken_inter_token_latency_seconds", "Time between tokens"))
         self.e2e = r.add(Histogram("freetoken_e2e_request_latency_seconds", "Request latency"))
         self.step = r.add(Histogram("freetoken_step_seconds", "Engine step time (forward + sampling)"))
+        moe = getattr(core.runner, "moe", None)
+        if moe is not None:     # experts offloaded: the expert cache's own counters
+            def counter(key):
+                return lambda: moe.report()["counters"][key] or 0
+            r.add(Counter("freetoken_expert_cache_hits", "Routed experts found in the GPU cache", counter("hits")))
+            r.add(Counter("freetoken_expert_cache_misses", "Routed experts not in the GPU cache", counter("misses")))
+            r.add(Counter("freetoken_expert_bytes_fetched", "Expert bytes copied host to device",
+                          counter("bytes_fetched")))
 
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)

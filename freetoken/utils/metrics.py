@@ -29,10 +29,11 @@ def _labels(labels: dict) -> str:
 
 
 class Counter:
+    """A counter we increment, or (fn) one another component keeps, read at scrape time."""
     kind = "counter"
 
-    def __init__(self, name: str, help: str):
-        self.name, self.help = name, help
+    def __init__(self, name: str, help: str, fn: Callable[[], float] | None = None):
+        self.name, self.help, self.fn = name, help, fn
         self.values: dict[tuple, float] = {}
 
     def inc(self, amount: float = 1.0, **labels) -> None:
@@ -40,6 +41,9 @@ class Counter:
         self.values[key] = self.values.get(key, 0.0) + amount
 
     def samples(self):
+        if self.fn is not None:
+            yield self.name + "_total", {}, self.fn()
+            return
         for key, v in (self.values or {(): 0.0}).items():
             yield self.name + "_total", dict(key), v
 
