@@ -58,10 +58,14 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens start..end of prompt + output, without joining the two lists (a decode step
+        asks for one token; joining would copy the whole context every step)."""
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def is_finished(self) -> bool:
