@@ -7,6 +7,8 @@
                                                                    # the run would be refused
     ft bench serve --serve "a=MODEL --kv-cache-tokens 8192" --serve "b=MODEL --kv-cache-tokens 65536" \
                    --varies kv_cache --workload short_chat          # two configurations, launched here
+    ft bench bw [--model DIR] [--gpu N]   # host, PCIe, expert fetch and CPU expert bandwidths;
+                                          # saves the profile the engine's auto placement reads
 The harness and its workloads live in the source checkout's bench/ (not an installed package),
 so `ft bench` needs the checkout that freetoken is installed from (pip install -e .). This file
 only defines flags (argparse, cheap to import); the harness loads when the command runs.
@@ -61,6 +63,24 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", help="the run's folder (default: bench/results/RUN_ID)")
     s.add_argument("--dry-run", action="store_true", help="print the plan and every reason the run "
                                                           "would be refused; measure nothing")
+
+    w = bsub.add_parser("bw", help="measure the bandwidths that decide where experts run",
+                        description="Measure host DRAM copy, host->GPU copies (pinned, pageable), the real "
+                                    "expert fetch and the real CPU expert kernel, alone and overlapped; print "
+                                    "a table and save the profile (per GPU UUID) that moe_backend=auto and "
+                                    "hybrid's K read at startup.")
+    w.add_argument("--gpu", help="the GPU: an index or a UUID (default: the current one)")
+    w.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    w.add_argument("--model", help="take the expert shape (hidden, width, top-k, dtype) from this checkpoint")
+    w.add_argument("--hidden", type=int, default=2048, help="expert shape without --model (Qwen3-30B-A3B's)")
+    w.add_argument("--width", type=int, default=768)
+    w.add_argument("--top-k", type=int, default=8)
+    w.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    w.add_argument("--moe-cpu-threads", type=int, metavar="N",
+                   help="threads for the CPU expert kernel (default: torch's); serve with the same")
+    w.add_argument("--quick", action="store_true", help="short runs and small buffers (a first look)")
+    w.add_argument("--no-save", action="store_true", help="print only; keep any saved profile")
+    w.add_argument("--json", action="store_true", help="print the profile as JSON instead of a table")
 
 
 def load_harness():
@@ -132,6 +152,8 @@ def _configure(args, h):
 
 
 def run(args) -> int:
+    if args.bench_command == "bw":
+        return run_bw(args)
     h = load_harness()
     manifest, workloads, arms, protocol = _configure(args, h)
     blocks = h["plan"].make_plan([a.name for a in arms], workloads, protocol)
@@ -165,6 +187,51 @@ def run(args) -> int:
     for r in verdict["reasons"]:
         print(f"  - {r['code']} [{r['severity']}{', overridden' if r['overridden'] else ''}]: {r['detail']}")
     return code
+
+
+def run_bw(args) -> int:
+    import json
+
+    import torch
+
+    from freetoken.moe.profile import format_table, measure_profile, save_profile
+
+    device = _bw_device(args)
+    hidden, width, top_k, dtype = args.hidden, args.width, args.top_k, args.dtype
+    if args.model:
+        from freetoken.models.loader import init_model, resolve_model_path
+        try:
+            _, mc = init_model(resolve_model_path(args.model), "auto")
+        except Exception as e:
+            raise SystemExit(f"ft bench bw: {e}") from None
+        if not mc.num_experts:
+            raise SystemExit(f"ft bench bw: {args.model} has no routed experts")
+        hidden, width, top_k, dtype = (mc.hidden_size, mc.moe_intermediate_size,
+                                       mc.num_experts_per_tok, mc.torch_dtype)
+    if min(hidden, width, top_k) < 1 or (args.moe_cpu_threads is not None and args.moe_cpu_threads < 1):
+        raise SystemExit("ft bench bw: --hidden, --width, --top-k and --moe-cpu-threads must be positive")
+    say = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    profile = measure_profile(device, hidden, width, getattr(torch, dtype), top_k,
+                              args.moe_cpu_threads, args.quick, progress=say)
+    print(json.dumps(profile, indent=1) if args.json else format_table(profile))
+    if not args.no_save:
+        say(f"saved {save_profile(profile)}")
+    return 0
+
+
+def _bw_device(args):
+    import torch
+
+    from freetoken.cli import resolve_gpu
+    if args.gpu is not None:
+        if args.device == "cpu":
+            raise SystemExit("ft bench bw: --gpu and --device cpu contradict each other")
+        return torch.device(resolve_gpu(args.gpu, "ft bench bw"))
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("ft bench bw: --device cuda but no usable CUDA device or driver was found")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,8 @@ def _add_moe_flags(s) -> None:
 
     g = s.add_argument_group("experts (MoE placement)")
     g.add_argument("--moe-backend", choices=BACKENDS, default="auto",
-                   help="where experts live and run (auto: resident if everything fits, else offload)")
+                   help="where experts live and run (auto: resident if everything fits, else offload or "
+                        "hybrid from the measured fetch and CPU costs; see ft bench bw)")
     size = g.add_mutually_exclusive_group()
     size.add_argument("--moe-cache-size", type=_positive_int, metavar="SLOTS", help="GPU expert cache slots")
     size.add_argument("--moe-cache-rate", type=float, metavar="FRAC", help="GPU expert cache as a fraction of all experts")
@@ -118,28 +119,20 @@ def _resolve_device(args) -> str:
     return args.device
 
 
-def resolve_gpu(spec: str) -> str:
+def resolve_gpu(spec: str, prog: str = "ft serve") -> str:
     """An index or a UUID (with or without the GPU- prefix) -> "cuda:N"; checks capability."""
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit(f"ft serve: --gpu {spec}: no usable CUDA device or driver was found")
-    count = torch.cuda.device_count()
-    index = None
-    if spec.isdigit():
-        index = int(spec)
-        if index >= count:
-            raise SystemExit(f"ft serve: --gpu {spec}: only {count} GPU(s) visible")
-    else:
-        want = spec.lower().removeprefix("gpu-")
-        for i in range(count):
-            if str(torch.cuda.get_device_properties(i).uuid).lower() == want:
-                index = i
-        if index is None:
-            raise SystemExit(f"ft serve: --gpu {spec}: no visible GPU has that UUID")
+        raise SystemExit(f"{prog}: --gpu {spec}: no usable CUDA device or driver was found")
+    from freetoken.utils.device import find_gpu
+    try:
+        index = find_gpu(spec)
+    except ValueError as e:
+        raise SystemExit(f"{prog}: --gpu {spec}: {e}") from None
     major, minor = torch.cuda.get_device_capability(index)
     if major < 8:
-        raise SystemExit(f"ft serve: GPU {index} has compute capability {major}.{minor}; "
+        raise SystemExit(f"{prog}: GPU {index} has compute capability {major}.{minor}; "
                          f"FreeToken's Triton kernels need 8.0 or newer")
     return f"cuda:{index}"
 

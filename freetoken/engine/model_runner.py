@@ -115,6 +115,9 @@ class ModelRunner:
                              routers, self.model_config.num_experts_per_tok)
         for i, b in blocks.items():
             b.experts.runtime = runtime.layer_fn(i)
+        if runtime.plan != self.moe_plan:     # auto weighed fetching against the CPU
+            self.moe_plan = runtime.plan
+            log.info("MoE experts: %s (%s)", runtime.plan.backend, runtime.plan.reason)
         return runtime
 
     def moe_report(self) -> dict:

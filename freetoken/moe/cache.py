@@ -66,7 +66,7 @@ class ExpertCache:
         self.hits = dict.fromkeys(self.hits, 0)
         self.misses = dict.fromkeys(self.misses, 0)
         self.num_evictions = self.num_prefetched = 0
-        self.fetcher.num_experts_copied = self.fetcher.bytes_copied = self.fetcher.num_staged = 0
+        self.fetcher.reset_counters()
 
     def begin_step(self) -> None:
         self.policy.advance()

@@ -3,7 +3,8 @@
 Backends: `resident` (every expert on the device, as a plain model), `offload` (experts in host
 RAM, the ones a step needs cached on the device), `cpu` (experts computed on the CPU from host
 RAM), `hybrid` (per layer and step fetch up to K misses, compute the rest on the CPU), `auto`
-(resident when everything fits on the device, else offload; resident on a CPU device).
+(resident when everything fits on the device; else offload, or hybrid when the measured cost
+of a CPU expert says the CPU should take some misses; resident on a CPU device).
 """
 
 from __future__ import annotations

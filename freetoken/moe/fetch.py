@@ -11,7 +11,9 @@ On the CPU the same calls are plain copies and there are no streams or events.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import time
 
 import torch
 
@@ -42,6 +44,10 @@ class ExpertFetcher:
         self.num_experts_copied = 0
         self.bytes_copied = 0
         self.num_staged = 0
+        # Achieved rate: bytes of finished batches / the copy stream's busy time for them.
+        self._timed = collections.deque()     # (start event, end event, bytes), CUDA only
+        self.busy_s = 0.0
+        self.timed_bytes = 0
 
     def fetch(self, layer: int, moves: list[tuple[int, int]]) -> None:
         """Enqueue copies of layer's experts into slots: moves = [(expert, slot)]."""
@@ -49,17 +55,24 @@ class ExpertFetcher:
             return
         w13, w2 = self.store.bank(layer)
         staged = self.force_staging or (self.is_cuda and not self.store.pinned[layer])
+        nbytes = len(moves) * self.store.expert_bytes
         if self.is_cuda:
             compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.stream):
                 self.stream.wait_stream(compute)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
                 self._copy(w13, w2, moves, staged)
-                self.event = torch.cuda.Event()
+                self.event = torch.cuda.Event(enable_timing=True)
                 self.event.record(self.stream)
+            self._timed.append((start, self.event, nbytes))
         else:
+            t0 = time.perf_counter()
             self._copy(w13, w2, moves, staged)
+            self.busy_s += time.perf_counter() - t0
+            self.timed_bytes += nbytes
         self.num_experts_copied += len(moves)
-        self.bytes_copied += len(moves) * self.store.expert_bytes
+        self.bytes_copied += nbytes
 
     def _copy(self, w13, w2, moves, staged: bool) -> None:
         nb = self.is_cuda
@@ -92,6 +105,19 @@ class ExpertFetcher:
             buf.done.synchronize()     # its previous DMA must finish before it is overwritten
             buf.done = None
         return buf
+
+    def achieved_gbps(self) -> float | None:
+        """GB/s over the batches finished so far (None before any): what the copies reached."""
+        while self._timed and self._timed[0][1].query():
+            start, end, nbytes = self._timed.popleft()
+            self.busy_s += start.elapsed_time(end) / 1e3
+            self.timed_bytes += nbytes
+        return self.timed_bytes / self.busy_s / 1e9 if self.busy_s > 0 else None
+
+    def reset_counters(self) -> None:
+        self.num_experts_copied = self.bytes_copied = self.num_staged = self.timed_bytes = 0
+        self.busy_s = 0.0
+        self._timed.clear()
 
     @property
     def staging_bytes(self) -> int:

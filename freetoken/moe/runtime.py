@@ -12,23 +12,31 @@ Per layer and step (the router has already picked ids [T, k] and weights [T, k])
      cpu layers: x goes to the host, the experts run there, the result comes back.
 
 Prefetch accuracy = guessed experts the next layer then used / experts guessed.
+
+At startup the cost of fetching one expert and of computing it on the CPU (this device's
+`ft bench bw` profile, else a half-second calibration) sets hybrid's K, and decides whether
+`auto`, when the experts do not fit on the card, means offload or hybrid.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from typing import Callable
 
 import torch
 
 import triton_kernels as tk
+from freetoken.moe.bandwidth import ExpertBench, expert_costs
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.config import MoeConfig
 from freetoken.moe.cpu import cpu_moe, torch_threads
 from freetoken.moe.plan import MoePlan, hybrid_k
 from freetoken.moe.policy import make_policy
+from freetoken.moe.profile import load_profile
 from freetoken.moe.store import ExpertStore
+from freetoken.utils.device import device_key
 
+CALIBRATION_S = 0.1     # per measured rate, four rates: about half a second at startup
 Router = Callable[[torch.Tensor], torch.Tensor]    # x [T, D] -> guessed expert ids [T, k]
 
 
@@ -51,6 +59,8 @@ class MoeRuntime:
         self.hybrid_k, self.hybrid_k_source = None, None
         if plan.backend == "hybrid" and self.cache is not None:
             self._resolve_hybrid_k()
+        elif plan.requested == "auto" and plan.backend == "offload" and self.cache is not None:
+            self._refine_auto()
         self._guesses: dict[int, set[int]] = {}
         self.num_steps = 0
         self.prefetch_guessed = 0
@@ -146,34 +156,48 @@ class MoeRuntime:
             self.hybrid_k = min(self.cfg.hybrid_k, self.top_k)
             self.hybrid_k_source = f"moe_hybrid_k={self.cfg.hybrid_k}"
             return
-        fetch_s, cpu_s = self._measure_expert_costs()
+        fetch_s, cpu_s, source = self.expert_costs()
         self.hybrid_k = hybrid_k(self.top_k, fetch_s, cpu_s)
-        self.hybrid_k_source = (f"measured: fetch {fetch_s * 1e3:.3f} ms/expert, CPU "
-                                f"{cpu_s * 1e3:.3f} ms/expert (1 token)")
+        self.hybrid_k_source = _costs_words(fetch_s, cpu_s, source)
 
-    def _measure_expert_costs(self, repeats: int = 3) -> tuple[float, float]:
-        """Seconds to copy one expert into the pool, and to run it on the CPU for one token.
-        Slot 0 is scratch here: nothing is mapped yet."""
+    def _refine_auto(self) -> None:
+        """auto resolved to offload (the experts do not fit): price a miss fetched against a
+        miss computed on the CPU and take hybrid when the CPU should share the misses."""
+        fetch_s, cpu_s, source = self.expert_costs()
+        k = hybrid_k(self.top_k, fetch_s, cpu_s)
+        words = _costs_words(fetch_s, cpu_s, source)
+        if k >= self.top_k:
+            reason = f"{self.plan.reason}; offload: {words}, so every miss is fetched"
+            self.plan = dataclasses.replace(self.plan, reason=reason)
+            return
+        reason = (f"{self.plan.reason}; hybrid: {words}, so the CPU computes all but {k} of "
+                  f"each layer's misses")
+        self.plan = dataclasses.replace(self.plan, backend="hybrid", reason=reason)
+        self.mode = {l: "hybrid" if m == "offload" else m for l, m in self.mode.items()}
+        self.hybrid_k, self.hybrid_k_source = k, words
+
+    def expert_costs(self) -> tuple[float, float, str]:
+        """(seconds to fetch one expert, seconds to run it on the CPU for one token, where
+        the figures come from): this device's saved profile (`ft bench bw`) when it was
+        measured with the CPU thread count used here, else a short calibration now."""
         layer = self.plan.cache_layers[0]
-        w13, w2 = self.store.bank(layer)
-        pool13, pool2 = self.cache.w13_pool, self.cache.w2_pool
-        cuda = self.device.type == "cuda"
-        fetch, cpu = [], []
-        x = torch.zeros(1, self.store.hidden, dtype=self.store.dtype)
-        one = torch.ones(1, 1, dtype=self.store.dtype)
-        zero = torch.zeros(1, 1, dtype=torch.int64)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            pool13[0].copy_(w13[0], non_blocking=cuda)
-            pool2[0].copy_(w2[0], non_blocking=cuda)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            fetch.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with torch_threads(self.cfg.cpu_threads):
-                cpu_moe(x, w13, w2, one, zero)
-            cpu.append(time.perf_counter() - t0)
-        return min(fetch), min(cpu)
+        threads = self.cfg.cpu_threads or torch.get_num_threads()
+        key = device_key(self.device)
+        profile = load_profile(key)
+        if profile is not None and profile.get("cpu_threads") == threads:
+            rates = dict(profile["experts"])
+            if not self.store.pinned[layer] and "fetch_staged_gbps" in rates:
+                rates["fetch_gbps"] = rates.pop("fetch_staged_gbps")
+                rates.pop("overlap_fetch_gbps", None)     # measured from a pinned bank
+            fetch_s, cpu_s = expert_costs(rates, self.store.expert_bytes)
+            return fetch_s, cpu_s, f"profile {profile['path']} of {profile.get('measured_at')}"
+        why = ("no profile for " + key if profile is None else
+               f"the profile was measured with {profile.get('cpu_threads')} CPU threads, not {threads}")
+        # Slots 0..k-1 are scratch: nothing is mapped yet.
+        bench = ExpertBench(self.store, layer, self.cache.w13_pool, self.cache.w2_pool,
+                            self.top_k, self.cfg.cpu_threads)
+        fetch_s, cpu_s = expert_costs(bench.measure(CALIBRATION_S), self.store.expert_bytes)
+        return fetch_s, cpu_s, f"calibrated at startup ({why}; `ft bench bw` saves one)"
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
@@ -202,6 +226,7 @@ class MoeRuntime:
                 "misses": lookups - hits, "hit_rate": hits / lookups if lookups else None,
                 "experts_fetched": c.fetcher.num_experts_copied if c else 0,
                 "bytes_fetched": c.fetcher.bytes_copied if c else 0,
+                "fetch_gbps": c.fetcher.achieved_gbps() if c else None,
                 "evictions": c.num_evictions if c else 0,
                 "prefetch_fetched": c.num_prefetched if c else 0,
                 "prefetch_guessed": self.prefetch_guessed, "prefetch_used": self.prefetch_used,
@@ -210,3 +235,8 @@ class MoeRuntime:
                 "cpu_experts": sum(self.cpu_experts.values()),
                 "per_layer": per_layer},
         }
+
+
+def _costs_words(fetch_s: float, cpu_s: float, source: str) -> str:
+    return (f"fetch {fetch_s * 1e3:.3f} ms/expert, CPU {cpu_s * 1e3:.3f} ms/expert for one "
+            f"token ({source})")

@@ -288,6 +288,9 @@ def _gpu_identity(device) -> dict | None:
     if device.type != "cuda":
         return None
     import torch
-    props = torch.cuda.get_device_properties(device)
-    return {"name": props.name, "uuid": str(getattr(props, "uuid", "")),
+
+    from freetoken.utils.device import gpu_uuid
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {"name": props.name, "uuid": gpu_uuid(index),
             "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory}

@@ -1,0 +1,142 @@
+"""Measured bandwidths that decide where experts run: what `ft bench bw` prints and saves.
+
+Every figure is bytes moved per second of wall time, in GB/s (1e9):
+  host copy      a large host tensor copied to another, read + write counted (as STREAM's
+                 copy counts), with one thread and with all of them;
+  H2D            host -> device copies from pinned and from pageable memory, per size;
+  expert fetch   the real ExpertFetcher copying a decode step's top_k experts into pool slots
+                 (pinned banks, and the staging ring that unpinned banks go through), expert
+                 bytes / time, sync included;
+  CPU experts    the real CPU expert kernel (moe.cpu.cpu_moe) on one token over top_k
+                 experts, expert bytes streamed / time;
+  overlapped     the fetch and the CPU kernel running at once (a hybrid step), each one's rate
+                 while the other runs: they share host DRAM, so these are what hybrid gets.
+The expert figures are bandwidths, so a profile measured on one expert shape prices another's
+experts by their bytes (expert_costs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from freetoken.moe.cpu import cpu_moe, torch_threads
+from freetoken.moe.fetch import ExpertFetcher
+from freetoken.moe.store import ExpertStore
+
+GB = 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rate(fn: Callable[[], int], min_time: float, device: torch.device,
+         stop: threading.Event | None = None) -> float:
+    """Bytes per second of fn (which does its work and returns the bytes it moved), run after
+    one warmup call until min_time has passed (or `stop` is set), synced at both ends."""
+    fn()
+    _sync(device)
+    moved, t0 = 0, time.perf_counter()
+    while True:
+        moved += fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_time or (stop is not None and stop.is_set()):
+            break
+    _sync(device)
+    return moved / (time.perf_counter() - t0)
+
+
+def host_copy_gbps(nbytes: int, threads: int, min_time: float) -> float:
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+
+    def copy() -> int:
+        dst.copy_(src)
+        return 2 * src.nbytes
+    with torch_threads(threads):
+        return rate(copy, min_time, torch.device("cpu")) / GB
+
+
+def h2d_gbps(device: torch.device, nbytes: int, pinned: bool, min_time: float) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy() -> int:
+        dst.copy_(src, non_blocking=pinned)
+        return nbytes
+    return rate(copy, min_time, device) / GB
+
+
+class ExpertBench:
+    """One MoE layer's worth of experts in an ExpertStore, a pool of top_k slots on the device,
+    and the two things a decode step does with them: fetch top_k experts, or compute top_k
+    experts for one token on the CPU. The runtime's startup calibration uses the same calls
+    on the live store and pool."""
+
+    def __init__(self, store: ExpertStore, layer: int, w13_pool: torch.Tensor,
+                 w2_pool: torch.Tensor, top_k: int, cpu_threads: int | None,
+                 force_staging: bool = False):
+        self.store, self.layer, self.cpu_threads = store, layer, cpu_threads
+        self.device = w13_pool.device
+        self.top_k = min(top_k, w13_pool.shape[0], store.num_experts)
+        self.fetcher = ExpertFetcher(store, w13_pool, w2_pool, force_staging)
+        self._turn = 0
+        self.x = torch.randn(1, store.hidden).to(store.dtype)
+        self.weights = torch.full((1, self.top_k), 1.0 / self.top_k, dtype=store.dtype)
+
+    def _experts(self) -> list[int]:
+        # Walk the bank so repeated calls do not keep hitting the same experts in a CPU cache.
+        e = self.store.num_experts
+        first = self._turn * self.top_k % e
+        self._turn += 1
+        return [(first + j) % e for j in range(self.top_k)]
+
+    def fetch(self) -> int:
+        self.fetcher.fetch(self.layer, list(zip(self._experts(), range(self.top_k))))
+        if self.fetcher.event is not None:
+            self.fetcher.event.synchronize()
+            self.fetcher.event = None
+        return self.top_k * self.store.expert_bytes
+
+    def cpu(self) -> int:
+        w13, w2 = self.store.bank(self.layer)
+        ids = torch.tensor([self._experts()])
+        with torch_threads(self.cpu_threads):
+            cpu_moe(self.x, w13, w2, self.weights, ids)
+        return self.top_k * self.store.expert_bytes
+
+    def measure_fetch(self, min_time: float) -> float:
+        return rate(self.fetch, min_time, self.device) / GB
+
+    def measure(self, min_time: float) -> dict[str, float]:
+        """GB/s of fetch and CPU experts, each alone, then both at once."""
+        out = {"fetch_gbps": self.measure_fetch(min_time),
+               "cpu_expert_gbps": rate(self.cpu, min_time, self.device) / GB}
+        stop, result = threading.Event(), {}
+
+        def fetch_loop():
+            result["fetch"] = rate(self.fetch, 1e9, self.device, stop)
+        worker = threading.Thread(target=fetch_loop, name="bw-fetch", daemon=True)
+        worker.start()
+        try:
+            cpu = rate(self.cpu, min_time, self.device)
+        finally:
+            stop.set()
+            worker.join()
+        out["overlap_fetch_gbps"] = result["fetch"] / GB
+        out["overlap_cpu_expert_gbps"] = cpu / GB
+        return out
+
+
+def expert_costs(gbps: dict[str, float], expert_bytes: int) -> tuple[float, float]:
+    """(fetch seconds, CPU seconds) for one expert at the overlapped rates (what a hybrid step
+    sees), falling back to the rates alone."""
+    fetch = gbps.get("overlap_fetch_gbps") or gbps["fetch_gbps"]
+    cpu = gbps.get("overlap_cpu_expert_gbps") or gbps["cpu_expert_gbps"]
+    return expert_bytes / (fetch * GB), expert_bytes / (cpu * GB)

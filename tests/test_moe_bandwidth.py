@@ -1,0 +1,157 @@
+"""`ft bench bw` and the profile it saves: measured on this CPU, read back by the runtime, and
+what `auto` and hybrid's K make of a profile (synthetic profiles fix the figures so the
+decision is known), of a stale one, and of none."""
+
+import json
+import math
+import socket
+
+import pytest
+import torch
+
+from freetoken import LLM, SamplingParams
+from freetoken.bench_cli import main as bench_main
+from freetoken.moe.bandwidth import expert_costs
+from freetoken.moe.profile import PROFILE_VERSION, load_profile, profile_path
+from freetoken.utils.device import device_key, find_gpu
+from hf_checkpoints import cached_checkpoint
+
+PROMPTS = [[5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2], [1, 2, 3]]
+PARAMS = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path / "ftcache"))
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)        # the profile records the CPU threads it was measured with
+    yield tmp_path / "ftcache"
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # qwen3_moe gqa_norm_topk: 2 MoE layers x 8 experts, top-2.
+    return str(cached_checkpoint(str(tmp_path_factory.mktemp("hf")), "qwen3_moe", "gqa_norm_topk"))
+
+
+def write_profile(fetch_gbps, cpu_gbps, threads=1, **extra):
+    path = profile_path(device_key("cpu"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile = {"version": PROFILE_VERSION, "key": device_key("cpu"), "measured_at": "then",
+               "cpu_threads": threads, "device": {"kind": "cpu", "name": "test"},
+               "host_copy_gbps": {"1": 10.0},
+               "experts": {"expert_bytes": 1, "top_k": 2, "pinned": False,
+                           "fetch_gbps": fetch_gbps, "cpu_expert_gbps": cpu_gbps, **extra}}
+    path.write_text(json.dumps(profile))
+    return path
+
+
+def test_device_key_and_gpu_lookup_without_a_gpu():
+    assert device_key("cpu") == f"cpu-{socket.gethostname()}"
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(ValueError, match="only 0 GPU"):
+            find_gpu("0")
+        with pytest.raises(ValueError, match="no visible GPU has that UUID"):
+            find_gpu("GPU-0123abcd")
+        with pytest.raises(SystemExit, match="ft bench bw: --gpu 0: no usable CUDA"):
+            bench_main(["bw", "--gpu", "0"])
+
+
+def test_bench_bw_measures_prints_and_saves_a_profile_the_runtime_reads(capsys, cache_dir):
+    code = bench_main(["bw", "--device", "cpu", "--quick", "--hidden", "64", "--width", "32",
+                       "--top-k", "2", "--dtype", "float32", "--moe-cpu-threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    for row in ("host DRAM copy, 1 thread(s)", "expert fetch, 2 x 0.02 MiB", "CPU experts, 1 token x 2",
+                "overlapped: expert fetch", "overlapped: CPU experts", "saved "):
+        assert row in out, out
+    profile = load_profile(device_key("cpu"))
+    assert profile is not None and profile["path"].startswith(str(cache_dir))
+    e = profile["experts"]
+    assert e["expert_bytes"] == 3 * 64 * 32 * 4 and e["top_k"] == 2 and profile["cpu_threads"] == 1
+    for k in ("fetch_gbps", "cpu_expert_gbps", "overlap_fetch_gbps", "overlap_cpu_expert_gbps"):
+        assert e[k] > 0, k
+    assert all(v > 0 for v in profile["host_copy_gbps"].values())
+    assert "h2d_pinned_gbps" not in profile        # no GPU: nothing to copy to
+
+
+def test_bench_bw_json_and_no_save(capsys):
+    assert bench_main(["bw", "--device", "cpu", "--quick", "--hidden", "32", "--width", "16",
+                       "--top-k", "1", "--dtype", "float32", "--json", "--no-save"]) == 0
+    profile = json.loads(capsys.readouterr().out)
+    assert profile["version"] == PROFILE_VERSION and profile["experts"]["top_k"] == 1
+    assert load_profile(device_key("cpu")) is None
+
+
+def test_bench_bw_takes_the_expert_shape_from_a_checkpoint(capsys, ckpt):
+    assert bench_main(["bw", "--device", "cpu", "--quick", "--model", ckpt, "--no-save", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)["experts"]
+    cfg = json.loads((__import__("pathlib").Path(ckpt) / "config.json").read_text())
+    assert (e["hidden"], e["width"], e["top_k"]) == (cfg["hidden_size"], cfg["moe_intermediate_size"],
+                                                     cfg["num_experts_per_tok"])
+    with pytest.raises(SystemExit, match="ft bench bw: .*config.json"):
+        bench_main(["bw", "--device", "cpu", "--model", str(__import__("pathlib").Path(ckpt).parent)])
+
+
+def test_expert_costs_prefer_the_overlapped_rates():
+    assert expert_costs({"fetch_gbps": 2.0, "cpu_expert_gbps": 1.0}, 10 ** 9) == (0.5, 1.0)
+    both = {"fetch_gbps": 2.0, "cpu_expert_gbps": 1.0, "overlap_fetch_gbps": 1.0,
+            "overlap_cpu_expert_gbps": 0.5}
+    assert expert_costs(both, 10 ** 9) == (1.0, 2.0)
+
+
+def run(ckpt, **kwargs):
+    llm = LLM(ckpt, skip_tokenizer_init=True, max_prefill_length=16, **kwargs)
+    return llm, [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def test_auto_shares_misses_with_the_cpu_when_the_profile_says_it_pays(ckpt):
+    _, want = run(ckpt)
+    path = write_profile(fetch_gbps=1.0, cpu_gbps=1.0)       # a CPU expert costs a fetch
+    llm, got = run(ckpt, moe_cache_size=8)
+    report = llm.runner.moe_report()
+    assert got == want
+    assert report["requested"] == "auto" and report["backend"] == "hybrid"
+    assert report["hybrid_k"] == math.ceil(2 * 0.5) == 1
+    assert "hybrid: fetch" in report["reason"] and str(path) in report["reason"]
+    assert str(path) in report["hybrid_k_source"]
+    assert {p["mode"] for p in report["counters"]["per_layer"]} == {"hybrid"}
+    assert report["counters"]["cpu_experts"] > 0
+
+
+def test_auto_fetches_every_miss_when_the_cpu_is_slow(ckpt):
+    write_profile(fetch_gbps=50.0, cpu_gbps=0.5)
+    llm, _ = run(ckpt, moe_cache_size=8)
+    report = llm.runner.moe_report()
+    assert report["backend"] == "offload" and report["hybrid_k"] is None
+    assert "every miss is fetched" in report["reason"] and "profile" in report["reason"]
+    assert report["counters"]["cpu_experts"] == 0
+
+
+def test_explicit_hybrid_reads_k_from_the_profile(ckpt):
+    # A CPU expert costs two fetches: fetch ceil(top_k * 2/3) = 2 of the 2 misses.
+    write_profile(fetch_gbps=1.0, cpu_gbps=0.5)
+    report = run(ckpt, moe_backend="hybrid", moe_cache_size=8)[0].runner.moe_report()
+    assert report["hybrid_k"] == 2 and "profile" in report["hybrid_k_source"]
+    # Unpinned banks (always so on a CPU device) go through the staging ring, priced at its
+    # rate when the profile has one: a fetch now costs 5 CPU experts, ceil(2 * 1/6) = 1.
+    write_profile(fetch_gbps=1.0, cpu_gbps=0.5, fetch_staged_gbps=0.1)
+    report = run(ckpt, moe_backend="hybrid", moe_cache_size=8)[0].runner.moe_report()
+    assert report["hybrid_k"] == 1
+
+
+@pytest.mark.parametrize("bad", ["threads", "corrupt", "old"])
+def test_a_profile_that_does_not_apply_is_ignored_and_startup_calibrates(ckpt, bad, caplog):
+    path = write_profile(fetch_gbps=1.0, cpu_gbps=1.0, threads=7 if bad == "threads" else 1)
+    if bad == "corrupt":
+        path.write_text("{not json")
+    if bad == "old":
+        path.write_text(json.dumps({"version": 0}))
+    report = run(ckpt, moe_backend="hybrid", moe_cache_size=8)[0].runner.moe_report()
+    source = report["hybrid_k_source"]
+    assert "calibrated at startup" in source and 0 <= report["hybrid_k"] <= 2
+    if bad == "threads":
+        assert "measured with 7 CPU threads, not 1" in source
+    else:
+        assert "ignoring the bandwidth profile" in caplog.text
