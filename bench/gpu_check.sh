@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue: kernel layer), under 5 minutes on the H200 machine.
-# Run through the device tool from the repo root with `.whl` carried (httptools, orjson; see
-# ../shared/GPU.md for the pip download line), e.g.:
-#   bash bench/gpu_check.sh            # writes everything under $OUT (or ./gpu-check-out)
-# Steps: kernel tests on CUDA -> kernel microbenchmarks vs torch reference and the HBM
-# ceiling measured in the same run -> whole model through the kernels vs the references ->
-# first-request TTFT after ready (no cold compile).
+# The prepared GPU checks, each part under 5 minutes on the H200 machine (one device call
+# each). Run through the device tool from the repo root with `.whl` carried (httptools,
+# orjson; see ../shared/GPU.md for the pip download line), e.g.:
+#   bash bench/gpu_check.sh kernels    # the kernel layer (default)
+#   bash bench/gpu_check.sh offload    # experts in RAM
+# Everything is written under $OUT (or ./gpu-check-out).
+# kernels: kernel tests on CUDA -> kernel microbenchmarks vs torch reference and the HBM
+#   ceiling measured in the same run -> whole model through the kernels vs the references ->
+#   first-request TTFT after ready (no cold compile).
+# offload: `ft bench bw` (saves the profile auto/hybrid read) -> bench/offload.py (builds the
+#   9.7 GB Qwen3-30B-A3B-shaped 8-layer model, then every arm and the transformers baselines).
 set -uo pipefail
+PART=${1:-kernels}
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -19,6 +24,14 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
 
+if [ "$PART" = offload ]; then
+  echo "== ft bench bw"
+  timeout 90 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
+  echo "== bench/offload.py"
+  timeout 420 python3 bench/offload.py --workdir /tmp --out "$OUT/offload.json" 2>&1 | tee "$OUT/offload.txt"
+  echo "done; results in $OUT"
+  exit 0
+fi
 echo "== kernel tests on CUDA"
 timeout 120 python3 -m pytest -q -x tests/test_kernels.py 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
 echo "== kernel microbenchmarks"

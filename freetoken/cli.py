@@ -92,6 +92,8 @@ def _add_moe_flags(s) -> None:
                    help="host RAM to page-lock for experts (also FREETOKEN_PIN_BUDGET_GB)")
     g.add_argument("--kv-reserve-tokens", type=_positive_int, default=8192, metavar="N",
                    help="KV tokens to keep free when sizing the expert cache")
+    g.add_argument("--no-moe-prefetch", dest="moe_prefetch", action="store_false",
+                   help="do not guess and fetch the next layer's experts ahead (a baseline)")
 
 
 def _moe_config(args):
@@ -102,7 +104,7 @@ def _moe_config(args):
                      cache_rate=args.moe_cache_rate, cache_policy=args.moe_cache_policy,
                      cpu_layers=args.moe_cpu_layers, cpu_threads=args.moe_cpu_threads,
                      hybrid_k=args.moe_hybrid_k, pin_budget_gb=pin,
-                     kv_reserve_tokens=args.kv_reserve_tokens)
+                     kv_reserve_tokens=args.kv_reserve_tokens, prefetch=args.moe_prefetch)
 
 
 def _resolve_device(args) -> str:
