@@ -106,7 +106,7 @@ def test_offload_flags_reach_the_engine(model_dir):
     with ServerProcess(model_dir) as server:
         _, resident = server.request("POST", "/v1/completions", body)
     with ServerProcess(model_dir, "--moe-backend", "offload", "--moe-cache-size", "10",
-                       "--moe-cache-policy", "lfu-decay") as server:
+                       "--moe-cache-policy", "lfu-decay", "--no-moe-prefetch") as server:
         _, offload = server.request("POST", "/v1/completions", body)
         _, inst = server.request("GET", "/v1/instrumentation")
         metrics = scrape(server)
@@ -115,4 +115,6 @@ def test_offload_flags_reach_the_engine(model_dir):
     assert metrics[("freetoken_expert_bytes_fetched_total", ())] > 0
     moe = inst["moe"]
     assert moe["backend"] == "offload" and moe["policy"] == "lfu-decay"
+    assert moe["prefetch"] is False and moe["counters"]["prefetch_guessed"] == 0
+    assert moe["counters"]["fetch_gbps"] > 0
     assert moe["counters"]["lookups"] == moe["counters"]["hits"] + moe["counters"]["misses"] > 0
