@@ -106,6 +106,24 @@ def test_lru_evicts_the_least_recently_used():
     assert cache.num_evictions > 50
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu-decay"])
+@pytest.mark.parametrize("used", [False, True])
+def test_a_wrong_prefetch_is_evicted_first_and_a_used_one_is_kept(policy, used):
+    """A prefetched expert enters cold: until a lookup uses it, it is the next victim, so a
+    wrong guess does not push out an expert that was really used."""
+    store = make_store(num_layers=2, num_experts=8)
+    cache = ExpertCache(store, store.layers, 4, make_policy(policy), "cpu")
+    cache.begin_step()
+    cache.ensure(0, [0, 1])
+    assert cache.prefetch(1, [5], protected={(0, 0), (0, 1)}) == [5]
+    if used:
+        assert cache.ensure(1, [5]).hits == [5]
+    cache.ensure(0, [2])                          # the last free slot
+    evicted = cache.ensure(0, [3]).evicted
+    assert evicted == ([(0, 0)] if used else [(1, 5)])
+    assert_consistent(cache, store)
+
+
 def test_lfu_decay_evicts_the_lowest_decayed_count():
     # decay 0.5 keeps both sides in exact binary arithmetic, so even ties must agree.
     decay = 0.5

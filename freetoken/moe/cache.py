@@ -116,7 +116,7 @@ class ExpertCache:
             if slot is None:
                 break
             self._place(key, slot)
-            self.policy.insert(key)
+            self.policy.insert(key, cold=True)
             moves.append((e, slot))
         self.num_prefetched += len(moves)
         self.fetcher.fetch(layer, moves)

@@ -1,11 +1,14 @@
 """Replacement policies of the GPU expert cache. Keys are (layer, expert).
 
-The cache tells a policy when a key is used (`touch`), placed (`insert`), dropped (`remove`)
-and when a forward step begins (`advance`); `victim(protected)` names the key to evict, never
+The cache tells a policy when a key is used (`touch`), placed (`insert`; a prefetch places
+keys `cold`: not used yet, so a wrong guess is the first thing evicted instead of pushing
+out experts that were really used), dropped (`remove`) and when a forward step begins
+(`advance`); `victim(protected)` names the key to evict, never
 one in `protected` (the experts the current layer's step uses), or None if all are protected.
 
   lru        evict the least recently used key.
-  lfu-decay  every use adds 1 to a key's count and every step multiplies all counts by
+  lfu-decay  a placed key starts at count 0 (so a cold insert needs nothing more); every
+             use adds 1 to a key's count and every step multiplies all counts by
              `decay`; evict the lowest count, ties to the least recently used. Counts are
              kept as count * decay**-step (one global rescale, not a pass over every key per
              step) in a heap with lazy deletion, so both calls are O(log n).
@@ -29,9 +32,10 @@ class LRUPolicy:
     def advance(self) -> None:
         pass
 
-    def insert(self, key: Key) -> None:
+    def insert(self, key: Key, cold: bool = False) -> None:
         self._order[key] = None
-        self._order.move_to_end(key)
+        # Cold keys go to the old end: the next victim unless a use promotes them first.
+        self._order.move_to_end(key, last=not cold)
 
     def touch(self, key: Key) -> None:
         self._order.move_to_end(key)
@@ -66,7 +70,7 @@ class LFUDecayPolicy:
             self._unit = 1.0
             self._rebuild()
 
-    def insert(self, key: Key) -> None:
+    def insert(self, key: Key, cold: bool = False) -> None:
         self._raw[key] = 0.0
         self._stamp[key] = next(self._clock)
         self._push(key)
