@@ -154,9 +154,17 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_q_ptr, seq
     acc = tl.zeros((BLOCK_Q * G_PAD, D_PAD), dtype=tl.float32)
     m_i = tl.full((BLOCK_Q * G_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q * G_PAD,), dtype=tl.float32)
+    # Keys up to the block's first query position are visible to every query of the block:
+    # those whole tiles skip the causal mask, and only the tiles along the diagonal pay it.
+    table = bt_ptr + b.to(tl.int64) * stride_bt
+    full_end = tl.minimum((ctx - q_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, kv_end)
     acc, m_i, l_i = _attend_kv_range(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_ptr + b.to(tl.int64) * stride_bt,
-        kv_head, 0, kv_end, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, 0, full_end,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        qk_scale, BS, False, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION)
+    acc, m_i, l_i = _attend_kv_range(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, full_end, kv_end,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         qk_scale, BS, True, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
