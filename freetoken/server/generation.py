@@ -173,6 +173,26 @@ class Generation:
             if not self.stream.finished:
                 self.stream.abort()
 
+    async def stream_to(self, response, ping_s: float | None, ping: bytes, render, error) -> bool:
+        """Write render(step) for every step, `ping` after ping_s seconds without one, until
+        the generation ends: True, and the caller writes its dialect's closing events. False
+        when the client left, or when the engine failed: then `error(exc)`, the dialect's
+        error event, has been written and the stream ended."""
+        try:
+            async for step in self.steps(ping_s):
+                out = ping if step is None else render(step)
+                if out:
+                    await response.write(out)
+                if response.disconnected:
+                    return False
+        except HTTPError:
+            raise
+        except Exception as e:   # the engine failed mid-stream: tell the client, end the stream
+            await response.write(error(e))
+            response.end_stream()
+            return False
+        return True
+
     async def collect(self) -> "Generation":
         async for _ in self.steps():
             pass

@@ -119,19 +119,10 @@ async def messages(ctx, request, response) -> None:
 
     response.start_stream()
     await response.write(events([{"type": "message_start", "message": message}]))
-    try:
-        async for step in gen.steps(ctx.server_config.ping_interval_s):
-            if step is None:
-                await response.write(_PING)
-                continue
-            out = blocks.feed(step.events)
-            if out:
-                await response.write(events(out))
-            if response.disconnected:
-                return
-    except Exception as e:   # the engine failed mid-stream: an error event ends the stream
-        await response.write(events([{"type": "error", "error": {"type": "api_error", "message": str(e)}}]))
-        response.end_stream()
+    if not await gen.stream_to(
+            response, ctx.server_config.ping_interval_s, _PING,
+            lambda step: events(blocks.feed(step.events)),
+            lambda e: events([{"type": "error", "error": {"type": "api_error", "message": str(e)}}])):
         return
     reason, sequence = stop_reason(gen)
     await response.write(events(blocks.close() + [

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 import uuid
 
-from freetoken.server.errors import HTTPError
 from freetoken.server.generation import ChatRequest, start_generation
 from freetoken.server.http import SSE_DONE, SSE_PING, sse_event
 from freetoken.server.model_meta import EFFORTS
@@ -138,31 +137,22 @@ async def _stream(ctx, gen, opts, response, base: dict) -> None:
         return sse_event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                                "finish_reason": finish}], **extra})
 
+    def render(step) -> bytes:
+        d = step.delta
+        lp = logprobs_chat(ctx.tokenizer, d) if want_lp and d.logprobs else None
+        deltas = [x for x in map(event_delta, step.events) if x is not None]
+        if lp is not None and not deltas and not d.finished:
+            deltas = [{"content": ""}]
+        out = b"".join(chunk(x, logprobs=lp if i == 0 else None) for i, x in enumerate(deltas))
+        return out + chunk({}, finish=gen.finish_reason) if d.finished else out
+
+    def error(e: Exception) -> bytes:
+        return sse_event({"error": {"message": str(e), "type": "server_error", "param": None,
+                                    "code": None}})
+
     response.start_stream()
     await response.write(chunk({"role": "assistant", "content": ""}))
-    try:
-        async for step in gen.steps(ctx.server_config.ping_interval_s):
-            if step is None:
-                await response.write(SSE_PING)
-                continue
-            d = step.delta
-            lp = logprobs_chat(ctx.tokenizer, d) if want_lp and d.logprobs else None
-            deltas = [x for x in map(event_delta, step.events) if x is not None]
-            if lp is not None and not deltas and not d.finished:
-                deltas = [{"content": ""}]
-            out = b"".join(chunk(x, logprobs=lp if i == 0 else None) for i, x in enumerate(deltas))
-            if d.finished:
-                out += chunk({}, finish=gen.finish_reason)
-            if out:
-                await response.write(out)
-            if response.disconnected:
-                return
-    except HTTPError:
-        raise
-    except Exception as e:   # the engine failed mid-stream: tell the client, end the stream
-        await response.write(sse_event({"error": {"message": str(e), "type": "server_error",
-                                                  "param": None, "code": None}}))
-        response.end_stream()
+    if not await gen.stream_to(response, ctx.server_config.ping_interval_s, SSE_PING, render, error):
         return
     tail = b""
     if opts.include_usage:

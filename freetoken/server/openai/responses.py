@@ -158,20 +158,10 @@ async def responses(ctx, request, response) -> None:
     start = _response(body, rid, model, created, "in_progress", [])
     await response.write(events([{"type": "response.created", "response": start},
                                  {"type": "response.in_progress", "response": start}]))
-    try:
-        async for step in gen.steps(ctx.server_config.ping_interval_s):
-            if step is None:
-                await response.write(SSE_PING)
-                continue
-            out = builder.feed(step.events)
-            if out:
-                await response.write(events(out))
-            if response.disconnected:
-                return
-    except Exception as e:   # the engine failed mid-stream: say so in the dialect's terms
-        await response.write(events([{"type": "error", "code": "server_error", "message": str(e),
-                                      "param": None}]))
-        response.end_stream()
+    if not await gen.stream_to(
+            response, ctx.server_config.ping_interval_s, SSE_PING,
+            lambda step: events(builder.feed(step.events)),
+            lambda e: events([{"type": "error", "code": "server_error", "message": str(e), "param": None}])):
         return
     status = "incomplete" if gen.finish_reason == "length" else "completed"
     tail = builder.close(status)
