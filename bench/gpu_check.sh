@@ -35,7 +35,10 @@ fi
 echo "== kernel tests on CUDA"
 timeout 120 python3 -m pytest -q -x tests/test_kernels.py 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
 echo "== kernel microbenchmarks"
-timeout 90 python3 bench/kernels.py --dtype bf16 2>&1 | tee "$OUT/kernels.txt"
+timeout 60 python3 bench/kernels.py --dtype bf16 --ops rms_norm,rope,silu_and_mul,topk_softmax,write_kv,paged_attention \
+  2>&1 | tee "$OUT/kernels.txt"
+echo "== fused MoE: GEMV vs grouped at 1..64 tokens (the crossover sets _GEMV_MAX_TOKENS)"
+timeout 150 python3 bench/kernels.py --dtype bf16 --ops fused_moe 2>&1 | tee "$OUT/kernels_moe.txt"
 echo "== model through the kernels vs the references"
 timeout 90 python3 bench/cuda_parity.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/parity.txt"
 echo "== first request after ready"

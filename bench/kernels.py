@@ -8,6 +8,11 @@ overhead included) and replayed from a CUDA graph (the kernels' own time), the r
 eager time, the bytes the op must move (read + write) over the graph time as GB/s and as a
 fraction of this GPU's memory-copy ceiling measured in the same run, and TFLOP/s where the
 op is compute-heavy. MoE decode at batch 1 should reach >= 70% of the copy ceiling.
+
+fused_moe counts only the expert weights streamed (unique experts touched x expert bytes),
+and times both of its forms at decode sizes, T = 1..64: the GEMV pair ("gemv") and the
+sorted, grouped GEMMs ("grouped"); a closing table says which is faster at each T, which is
+where triton_kernels.fused_moe._GEMV_MAX_TOKENS belongs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch
 # Qwen3-30B-A3B-like model.
 HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
 HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
+MOE_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)      # both fused_moe forms
+MOE_PREFILL_TOKENS = (512, 4096)                  # grouped only
 OPS = ("rms_norm", "rope", "silu_and_mul", "topk_softmax", "write_kv", "paged_attention",
        "fused_moe")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,6 +43,7 @@ class Case:
     reference: Callable[[], object] | None
     bytes: float                  # read + written by the op, at least once each
     flops: float = 0.0            # reported as TFLOP/s when non-zero
+    variant: str = ""             # one of several forms of the op timed on the same shape
 
 
 def parse_args(argv=None):
@@ -196,7 +204,7 @@ def fused_moe_cases(dt):
     w13 = torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, dtype=dt, device="cuda") / HIDDEN ** 0.5
     w2 = torch.randn(EXPERTS, HIDDEN, WIDTH, dtype=dt, device="cuda") / WIDTH ** 0.5
     expert_bytes = 3 * WIDTH * HIDDEN * w13.element_size()
-    for t in (1, 8, 64, 512, 4096):
+    for t in MOE_DECODE_TOKENS + MOE_PREFILL_TOKENS:
         x = torch.randn(t, HIDDEN, dtype=dt, device="cuda")
         # Several routings, cycled, so repeated calls stream their experts from HBM, not L2.
         routings = [torch.topk(torch.randn(t, EXPERTS, device="cuda").softmax(-1), TOP_K, -1)
@@ -204,15 +212,18 @@ def fused_moe_cases(dt):
         unique = sum(len(torch.unique(ids)) for _, ids in routings) / len(routings)
         turn = iter(range(10**12))
 
-        def run(fn, x=x, routings=routings, turn=turn):
+        def run(fn, x=x, routings=routings, turn=turn, **kwargs):
             w, ids = routings[next(turn) % len(routings)]
-            return fn(x, w13, w2, w, ids)
+            return fn(x, w13, w2, w, ids, **kwargs)
 
-        yield Case("fused_moe", f"T={t} E={EXPERTS} k={TOP_K} I={WIDTH}",
-                   lambda run=run: run(fused_moe_triton),
-                   lambda run=run: run(fused_moe_reference),
-                   unique * expert_bytes + 2 * x.numel() * x.element_size(),
-                   flops=2 * t * TOP_K * 3 * HIDDEN * WIDTH)
+        paths = ("gemv", "grouped") if t in MOE_DECODE_TOKENS else ("grouped",)
+        for path in paths:
+            # The reference is timed once per shape, on the first form's row.
+            yield Case("fused_moe", f"T={t} E={EXPERTS} k={TOP_K} I={WIDTH}",
+                       lambda run=run, path=path: run(fused_moe_triton, path=path),
+                       (lambda run=run: run(fused_moe_reference)) if path == paths[0] else None,
+                       unique * expert_bytes, flops=2 * t * TOP_K * 3 * HIDDEN * WIDTH,
+                       variant=path)
 
 
 CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "silu_and_mul": silu_and_mul_cases,
@@ -221,6 +232,22 @@ CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "silu_and_mul": silu_an
 
 
 # ---- report ---------------------------------------------------------------------------------
+
+def print_fastest_forms(forms: dict) -> None:
+    """Per shape timed in several forms, the forms fastest first, eagerly (what serving
+    without CUDA graphs pays, launches included) and replayed from a graph (kernels alone)."""
+    compared = {key: timed for key, timed in forms.items() if len(timed) > 1}
+    if not compared:
+        return
+    print("\nforms compared, fastest first (us):")
+    for (op, shape), timed in compared.items():
+        eager = sorted(timed.items(), key=lambda item: item[1][0])
+        line = "eager " + " < ".join(f"{v} {e * 1e6:.1f}" for v, (e, _) in eager)
+        if all(g is not None for _, g in timed.values()):
+            graph = sorted(timed.items(), key=lambda item: item[1][1])
+            line += " | graph " + " < ".join(f"{v} {g * 1e6:.1f}" for v, (_, g) in graph)
+        print(f"  {op:<10} {shape:<34} {line}")
+
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -237,6 +264,7 @@ def main(argv=None) -> int:
               f"{'speedup':>8} {'GB/s':>7} {'of copy':>8} {'TFLOP/s':>8}")
     print(header)
     print("-" * len(header))
+    forms = {}          # (op, shape) -> {variant: (eager s, graph s or None)}
     for op in args.ops:
         for case in CASES[op](dt):
             eager = time_eager(case.triton, args.reps, args.rounds)
@@ -245,12 +273,16 @@ def main(argv=None) -> int:
                    else time_eager(case.reference, max(1, args.reps // 5), args.rounds))
             kernel_time = graph or eager
             gbs = case.bytes / kernel_time
-            print(f"{case.op:<18} {case.shape:<34} {eager * 1e6:>10.1f} "
+            name = f"{case.op} {case.variant}".strip()
+            print(f"{name:<18} {case.shape:<34} {eager * 1e6:>10.1f} "
                   f"{'-' if graph is None else f'{graph * 1e6:.1f}':>9} "
                   f"{'-' if ref is None else f'{ref * 1e6:.1f}':>10} "
                   f"{'-' if ref is None else f'{ref / eager:.2f}x':>8} "
                   f"{gbs / 1e9:>7.0f} {gbs / ceiling:>8.0%} "
                   f"{f'{case.flops / kernel_time / 1e12:.1f}' if case.flops else '-':>8}")
+            if case.variant:
+                forms.setdefault((case.op, case.shape), {})[case.variant] = (eager, graph)
+    print_fastest_forms(forms)
     return 0
 
 

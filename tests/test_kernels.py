@@ -5,14 +5,16 @@ TRITON_INTERPRET=1 before triton_kernels imports), so shapes stay small where th
 tiling logic. bfloat16 is left out: the interpreter's bf16 loads return garbage.
 """
 
+import importlib
 import math
 
 import pytest
 import torch
 
 import triton_kernels as tk
-from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, fused_moe_autotune_keys,
-                                      fused_moe_reference, fused_moe_triton, moe_align)
+from triton_kernels.fused_moe import (_GEMV_MAX_TOKENS, FUSED_MOE_TOKEN_BUCKETS,
+                                      fused_moe_autotune_keys, fused_moe_reference,
+                                      fused_moe_triton, moe_align)
 from triton_kernels.kv_write import write_kv_reference, write_kv_triton
 from triton_kernels.paged_attention import (decode_split_plan, paged_attention_reference,
                                             paged_attention_triton)
@@ -20,6 +22,9 @@ from triton_kernels.rms_norm import rms_norm_reference, rms_norm_triton
 from triton_kernels.rope import apply_rope_reference, apply_rope_triton
 from triton_kernels.silu_mul import silu_and_mul_reference, silu_and_mul_triton
 from triton_kernels.topk_softmax import topk_softmax_reference, topk_softmax_triton
+
+# The module itself (the package's `fused_moe` attribute is the op), to patch its globals.
+fused_moe_module = importlib.import_module("triton_kernels.fused_moe")
 
 DTYPES = [torch.float32, torch.float16]
 
@@ -255,6 +260,53 @@ def test_fused_moe(t, d, inter, e, k, pool, dtype):
     assert_close(got, fused_moe_reference(x, w13, w2, weights, ids, slot_map), **TOL_ACCUM[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,d,inter,e,k,pool", [
+    (1, 64, 48, 8, 2, None),          # batch 1, I not a tile multiple
+    (2, 80, 40, 6, 1, 11),            # top-1; D not a tile multiple (GEMV1's K, GEMV2's N)
+    (3, 96, 24, 6, 6, None),          # every token on every expert: experts repeat
+    (7, 80, 56, 128, 8, 160),         # 128 experts into a 160-slot pool
+    (8, 64, 40, 16, 5, 40),           # the threshold itself, odd top_k
+])
+def test_fused_moe_gemv(t, d, inter, e, k, pool, dtype):
+    x, w13, w2, weights, ids, slot_map = _moe_inputs(t, d, inter, e, k, pool, dtype)
+    got = fused_moe_triton(x, w13, w2, weights, ids, slot_map, path="gemv")
+    assert_close(got, fused_moe_reference(x, w13, w2, weights, ids, slot_map), **TOL_ACCUM[dtype])
+
+
+@pytest.mark.parametrize("t,pool,dtype", [
+    (4, None, torch.float16),
+    (12, 24, torch.float32),          # forced GEMV above the threshold, as the bench runs it
+])
+def test_fused_moe_gemv_and_grouped_agree(t, pool, dtype):
+    # Even tokens route to experts 0-4, odd ones to 5-9, each in its own order: every expert
+    # serves several tokens.
+    x, w13, w2, weights, _, slot_map = _moe_inputs(t, 80, 40, 10, 5, pool, dtype)
+    ids = torch.stack([torch.randperm(5) + (i % 2) * 5 for i in range(t)])
+    gemv = fused_moe_triton(x, w13, w2, weights, ids, slot_map, path="gemv")
+    grouped = fused_moe_triton(x, w13, w2, weights, ids, slot_map, path="grouped")
+    assert_close(gemv, grouped, **TOL_ACCUM[dtype], what="gemv vs grouped")
+    assert_close(gemv, fused_moe_reference(x, w13, w2, weights, ids, slot_map),
+                 **TOL_ACCUM[dtype])
+
+
+def test_fused_moe_auto_path_follows_the_threshold(monkeypatch):
+    ran = []
+    monkeypatch.setattr(fused_moe_module, "_fused_moe_gemv", lambda *a: ran.append("gemv"))
+    monkeypatch.setattr(fused_moe_module, "_fused_moe_grouped", lambda *a: ran.append("grouped"))
+    for threshold in (_GEMV_MAX_TOKENS, 3):       # the default, and a bench moving it
+        monkeypatch.setattr(fused_moe_module, "_GEMV_MAX_TOKENS", threshold)
+        for t in (1, threshold, threshold + 1, 64):
+            ran.clear()
+            fused_moe_triton(*_moe_inputs(t, 64, 32, 8, 2, None, torch.float32))
+            want = "gemv" if t <= threshold else "grouped"
+            assert ran == [want] == [fused_moe_module._moe_path(t)], f"{t} tokens ran {ran}"
+            # The autotune keys say which kernels run: BLOCK_M 0 for the GEMV pair.
+            assert (fused_moe_autotune_keys(t, 2, 8)[1] == 0) == (want == "gemv")
+    with pytest.raises(ValueError, match="path"):
+        fused_moe_triton(*_moe_inputs(1, 64, 32, 8, 2, None, torch.float32), path="dense")
+
+
 def test_fused_moe_weights_in_model_dtype_and_int32_ids():
     x, w13, w2, weights, ids, slot_map = _moe_inputs(5, 64, 32, 8, 2, 12, torch.float16)
     weights, ids = weights.half(), ids.int()
@@ -287,21 +339,30 @@ def test_fused_moe_autotune_keys_are_bucketed():
     keys = {fused_moe_autotune_keys(n, 8, 128) for n in range(1, 20000)}
     assert len(keys) <= len(FUSED_MOE_TOKEN_BUCKETS)
     assert {bucket for bucket, _ in keys} == set(FUSED_MOE_TOKEN_BUCKETS)
-    for n in (1, 3, 64, 65, 1000, 4096, 4097, 100000):
+    # One forward per bucket (what the warmup ladder runs at least) reaches every key.
+    assert keys == {fused_moe_autotune_keys(b, 8, 128) for b in FUSED_MOE_TOKEN_BUCKETS}
+    for n in (1, 3, _GEMV_MAX_TOKENS, _GEMV_MAX_TOKENS + 1, 64, 65, 1000, 4096, 4097, 100000):
         bucket, block_m = fused_moe_autotune_keys(n, 8, 128)
         assert bucket >= min(n, FUSED_MOE_TOKEN_BUCKETS[-1]) and bucket in FUSED_MOE_TOKEN_BUCKETS
-        assert block_m in (16, 32, 64)
-        if n <= 64:
-            assert block_m == 16, "decode uses GEMV-like 16-row blocks"
+        assert block_m in (0, 16, 32, 64)
+        if n <= _GEMV_MAX_TOKENS:
+            assert block_m == 0, "the GEMV kernels have no BLOCK_M"
+        elif n <= 64:
+            assert block_m == 16, "grouped decode uses GEMV-like 16-row blocks"
     # Few experts, many tokens per expert: bigger blocks.
     assert fused_moe_autotune_keys(2048, 2, 8)[1] == 64
 
 
 def test_fused_moe_autotune_key_has_no_raw_token_count():
-    from triton_kernels.fused_moe import _AUTOTUNE_KEY, _GEMM1, _GEMM2
-    assert "num_pairs" not in _AUTOTUNE_KEY and "M_BUCKET" in _AUTOTUNE_KEY
-    for tuned in (*_GEMM1.values(), *_GEMM2.values()):
+    from triton_kernels.fused_moe import _GEMM1, _GEMM2, _GEMV1, _GEMV2
+    tuned_kernels = (*_GEMM1.values(), *_GEMM2.values(), _GEMV1, _GEMV2)
+    for tuned in tuned_kernels:
+        assert "M_BUCKET" in tuned.keys and not {"num_pairs", "num_tokens"} & set(tuned.keys)
         assert len(tuned.configs) > 1
+    for tuned in (_GEMV1, _GEMV2):
+        assert "BLOCK_M" not in tuned.keys
+        # Batch 1 needs narrow tiles to give every SM a program: D / 8 = 256 for GEMV2.
+        assert min(c.kwargs["BLOCK_N"] for c in tuned.configs) <= 8
 
 
 # ---- the public ops reach their launchers ---------------------------------------------------

@@ -5,10 +5,17 @@ topk_weights: [T, k] (any float dtype; applied in x's dtype); topk_ids: [T, k] e
 slot_map: optional [E] int tensor mapping expert id -> slot in w13/w2 (the GPU expert cache's
 pool); None means slot == expert id. Returns [T, D] = sum_j w_j * down(silu(gate) * up).
 
-The Triton path: (1) align: sort the T*k (token, k) pairs by expert and pad each expert's list
-to a multiple of BLOCK_M (three small kernels, no host sync); (2) GEMM1 over (expert block,
-I tile): x @ w13[slot]^T with SiLU-and-multiply fused in the epilogue; (3) GEMM2: act @
-w2[slot]^T times the routing weight, one row per pair; (4) sum each token's k rows.
+The Triton path has two forms, picked by token count (_moe_path):
+- GEMV, up to _GEMV_MAX_TOKENS tokens (decode), two launches and no sort: (1) per (token, k)
+  pair and I tile, silu(x . gate) * (x . up) into act[pair]; (2) per token and D tile, the k
+  weighted down projections summed in registers and stored once. At batch 1 the layer
+  streams k experts' weights (~75 MB for Qwen3-30B-A3B, ~16 us at H200 HBM speed), so
+  launches are a large part of the time, and a 16-row tl.dot tile would be 15/16 padding.
+- Grouped, above that, six launches: (1) align (moe_align.py): sort the T*k (token, k) pairs by expert and
+  pad each expert's list to a multiple of BLOCK_M (three small kernels, no host sync); (2)
+  GEMM1 over (expert block, I tile): x @ w13[slot]^T with SiLU-and-multiply fused in the
+  epilogue; (3) GEMM2: act @ w2[slot]^T times the routing weight, one row per pair; (4) sum
+  each token's k rows.
 """
 
 import inspect
@@ -17,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels._dispatch import interpreting, tl, triton, use_triton
+from triton_kernels.moe_align import moe_align
 
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -37,130 +45,48 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 # Autotune keys. Token counts map to a power-of-two bucket (capped), never the raw count, so
-# the warmup ladder can visit every key. Up to _DECODE_MAX_TOKENS tokens the decode configs
-# apply: BLOCK_M = 16 (tl.dot's minimum) and narrow, deep tiles that stream each active
-# expert's weights once, as a grouped GEMV would.
+# the warmup ladder can visit every key. Up to _GEMV_MAX_TOKENS tokens the GEMV kernels run
+# (BLOCK_M 0 in the key); a module global so a bench can move the crossover. Above it, up to
+# _DECODE_MAX_TOKENS tokens, the grouped decode configs apply: BLOCK_M = 16 (tl.dot's
+# minimum) and narrow, deep tiles that stream each active expert's weights once.
 FUSED_MOE_TOKEN_BUCKETS = tuple(2 ** i for i in range(13))       # 1 .. 4096
+_GEMV_MAX_TOKENS = 8
 _DECODE_MAX_TOKENS = 64
-_ALIGN_CHUNK = 128        # pairs per program in the align kernels
 _GROUP_M = 8              # M blocks (one expert's, mostly) walked together for L2 reuse
+_PATHS = ("auto", "gemv", "grouped")
+
+
+def _token_bucket(num_tokens: int) -> int:
+    return min(1 << (max(1, num_tokens) - 1).bit_length(), FUSED_MOE_TOKEN_BUCKETS[-1])
+
+
+def _moe_path(num_tokens: int) -> str:
+    """The form fused_moe_triton runs for num_tokens tokens when not forced: "gemv" or "grouped"."""
+    return "gemv" if num_tokens <= _GEMV_MAX_TOKENS else "grouped"
+
+
+def _grouped_block_m(bucket: int, top_k: int, num_experts: int) -> int:
+    if bucket <= _DECODE_MAX_TOKENS:
+        return 16
+    # Expected pairs per expert under uniform routing: keep most blocks full.
+    per_expert = bucket * top_k / max(1, num_experts)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
 
 
 def fused_moe_autotune_keys(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int]:
     """The (token bucket, BLOCK_M) a call with num_tokens tokens autotunes under.
 
-    With the model's hidden and expert widths and its dtype (the rest of the key, fixed per
-    model), this is the whole autotune key of both GEMM kernels: a warmup that runs one
-    forward per FUSED_MOE_TOKEN_BUCKETS entry covers every key a request can hit.
+    BLOCK_M is 0 where the GEMV kernels run (their key is the bucket alone), else the grouped
+    GEMMs' block height. With the model's hidden and expert widths and its dtype (the rest of
+    the key, fixed per model), this is the whole autotune key of the kernels a call runs: a
+    warmup that runs one forward per FUSED_MOE_TOKEN_BUCKETS entry, plus one of
+    _GEMV_MAX_TOKENS tokens when that is not a power of two, covers every key a request can hit.
     """
     # Plain Python (no triton call), so the scheduler can plan its warmup anywhere.
-    bucket = min(1 << (max(1, num_tokens) - 1).bit_length(), FUSED_MOE_TOKEN_BUCKETS[-1])
-    if bucket <= _DECODE_MAX_TOKENS:
-        return bucket, 16
-    # Expected pairs per expert under uniform routing: keep most blocks full.
-    per_expert = bucket * top_k / max(1, num_experts)
-    return bucket, 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_count_kernel(ids_ptr, chunk_counts_ptr, num_pairs,
-                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    # Grid (num_chunks,): histogram of the experts of CHUNK pairs -> chunk_counts[chunk, :].
-    chunk = tl.program_id(0)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-    offs_e = tl.arange(0, BLOCK_E)
-    hist = tl.sum((expert[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-    tl.store(chunk_counts_ptr + chunk * BLOCK_E + offs_e, hist)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
-def _moe_offsets_kernel(chunk_counts_ptr, chunk_base_ptr, expert_start_ptr, sorted_ids_ptr,
-                        block_slot_ptr, num_padded_ptr, slot_map_ptr,
-                        num_pairs, num_chunks, max_blocks, HAS_SLOT_MAP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-                        BLOCK_B: tl.constexpr):
-    # One program. chunk_base[c, e] = pairs of expert e in chunks before c; each expert's
-    # padded list starts at expert_start[e]; its tail is filled with the sentinel num_pairs;
-    # block_slot[j] = the weight slot of the expert owning M block j.
-    offs_e = tl.arange(0, BLOCK_E)
-    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, num_chunks, BLOCK_C):
-        offs_c = c0 + tl.arange(0, BLOCK_C)
-        ptrs = offs_c[:, None] * BLOCK_E + offs_e[None, :]
-        mask = (offs_c < num_chunks)[:, None]
-        counts = tl.load(chunk_counts_ptr + ptrs, mask=mask, other=0)
-        tl.store(chunk_base_ptr + ptrs, total[None, :] + tl.cumsum(counts, axis=0) - counts,
-                 mask=mask)
-        total += tl.sum(counts, axis=0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, axis=0)
-    start = end - padded
-    num_padded = tl.sum(padded, axis=0)
-    tl.store(expert_start_ptr + offs_e, start)
-    tl.store(num_padded_ptr, num_padded)
-    pos = (start + total)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_ids_ptr + pos, tl.zeros_like(pos) + num_pairs, mask=pos < end[:, None])
-    for b0 in range(0, max_blocks, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        # The owner of block j is the first expert whose padded list ends after j * BLOCK_M.
-        expert = tl.sum((end[None, :] <= offs_b[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        valid = offs_b * BLOCK_M < num_padded
-        if HAS_SLOT_MAP:
-            slot = tl.load(slot_map_ptr + expert, mask=valid, other=0).to(tl.int32)
-        else:
-            slot = expert
-        tl.store(block_slot_ptr + offs_b, tl.where(valid, slot, 0), mask=offs_b < max_blocks)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_scatter_kernel(ids_ptr, chunk_base_ptr, expert_start_ptr, sorted_ids_ptr, num_pairs,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    # Grid (num_chunks,): pair p goes to expert_start[e] + chunk_base[chunk, e] + its rank
-    # among the chunk's earlier pairs of e, so each expert's list keeps token order (stable).
-    chunk = tl.program_id(0)
-    offs_i = tl.arange(0, CHUNK)
-    offs = chunk * CHUNK + offs_i
-    mask = offs < num_pairs
-    expert = tl.load(ids_ptr + offs, mask=mask, other=-1).to(tl.int32)
-    earlier = (expert[:, None] == expert[None, :]) & (offs_i[None, :] < offs_i[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    base = tl.load(chunk_base_ptr + chunk * BLOCK_E + expert, mask=mask, other=0)
-    start = tl.load(expert_start_ptr + expert, mask=mask, other=0)
-    tl.store(sorted_ids_ptr + start + base + rank, offs, mask=mask)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-              slot_map: torch.Tensor | None):
-    """Sort pairs by expert, padded per expert to BLOCK_M, without a host sync.
-
-    Returns (sorted_ids [max_blocks * BLOCK_M] int32: pair index or the sentinel T*k,
-    block_slot [max_blocks] int32: weight slot per M block, num_padded [1] int32: blocks in
-    use times BLOCK_M). max_blocks bounds the padded length from host-side sizes: every
-    active expert (at most min(E, T*k)) wastes at most BLOCK_M - 1 rows.
-    """
-    ids = topk_ids.reshape(-1)
-    num_pairs = ids.numel()
-    dev = ids.device
-    block_e = triton.next_power_of_2(num_experts)
-    num_chunks = triton.cdiv(num_pairs, _ALIGN_CHUNK)
-    max_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
-    chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)
-    chunk_base = torch.empty_like(chunk_counts)
-    expert_start = torch.empty(block_e, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
-    block_slot = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    _moe_count_kernel[(num_chunks,)](ids, chunk_counts, num_pairs,
-                                     BLOCK_E=block_e, CHUNK=_ALIGN_CHUNK, num_warps=4)
-    _moe_offsets_kernel[(1,)](
-        chunk_counts, chunk_base, expert_start, sorted_ids, block_slot, num_padded,
-        block_slot if slot_map is None else slot_map, num_pairs, num_chunks, max_blocks,
-        HAS_SLOT_MAP=slot_map is not None, BLOCK_M=block_m, BLOCK_E=block_e,
-        BLOCK_C=max(1, 4096 // block_e), BLOCK_B=max(1, 4096 // block_e), num_warps=4)
-    _moe_scatter_kernel[(num_chunks,)](ids, chunk_base, expert_start, sorted_ids, num_pairs,
-                                       BLOCK_E=block_e, CHUNK=_ALIGN_CHUNK, num_warps=4)
-    return sorted_ids, block_slot, num_padded
+    bucket = _token_bucket(num_tokens)
+    if _moe_path(num_tokens) == "gemv":
+        return bucket, 0
+    return bucket, _grouped_block_m(bucket, top_k, num_experts)
 
 
 @triton.jit
@@ -269,6 +195,86 @@ def _moe_sum_kernel(pairs_ptr, out_ptr, D, stride_pt, stride_ot,
     tl.store(out_ptr + tok * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _expert_slot(ids_ptr, slot_map_ptr, pair, HAS_SLOT_MAP: tl.constexpr):
+    """The weight slot of pair's expert, int64 so that slot * stride_ws cannot overflow."""
+    slot = tl.load(ids_ptr + pair)
+    if HAS_SLOT_MAP:
+        slot = tl.load(slot_map_ptr + slot)
+    return slot.to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["M_BUCKET"])
+def _moe_gemv1_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, slot_map_ptr, M_BUCKET, N, K,
+                      stride_xt, stride_ws, stride_wn, stride_at, TOP_K: tl.constexpr,
+                      HAS_SLOT_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (T*k pairs, cdiv(N, BLOCK_N)); N = I, K = D. act[p, n] = silu(x[t] . w13[s, n]) *
+    # (x[t] . w13[s, N + n]) for pair p = t*k + j, s the slot of expert ids[p]. One row, so
+    # multiply-and-sum in float32 rather than tl.dot (which pads to 16 rows).
+    # M_BUCKET only feeds the autotune key.
+    pair = tl.program_id(0)
+    slot = _expert_slot(ids_ptr, slot_map_ptr, pair, HAS_SLOT_MAP)
+    token = (pair // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token * stride_xt + offs_k
+    gate_ptrs = w13_ptr + slot * stride_ws + offs_n[:, None] * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + N * stride_wn
+    # [BLOCK_N, BLOCK_K] partial sums, reduced over K once after the loop.
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+        w_mask = mask_n[:, None] & mask_k[None, :]
+        acc_gate += a * tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        acc_up += a * tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    # Round as the reference does: linear outputs, then silu, then the product, in x's dtype.
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype) * tl.sum(acc_up, axis=1).to(dtype)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_at + offs_n, act, mask=mask_n)
+
+
+@triton.jit(do_not_specialize=["M_BUCKET"])
+def _moe_gemv2_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, slot_map_ptr, topk_w_ptr, M_BUCKET,
+                      N, K, stride_at, stride_ws, stride_wn, stride_ot, TOP_K: tl.constexpr,
+                      HAS_SLOT_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (T, cdiv(N, BLOCK_N)); N = D, K = I. out[t, n] = sum_j w[t, j] * (act[t*k + j] .
+    # w2[s_j, n]): the k terms are summed in float32 registers and stored once, so the result
+    # is deterministic and needs no atomics, zeroed buffer or separate sum kernel.
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    acc_out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # A loop, not tl.static_range: unrolled over the k experts this needs 255 registers and
+    # spills at BLOCK_N >= 16 (sm_90 ptxas, triton 3.9); as a loop every config below fits
+    # in <= 160 registers without spills.
+    for j in range(TOP_K):
+        pair = token * TOP_K + j
+        slot = _expert_slot(ids_ptr, slot_map_ptr, pair, HAS_SLOT_MAP)
+        a_ptrs = act_ptr + pair.to(tl.int64) * stride_at + offs_k
+        w_ptrs = w2_ptr + slot * stride_ws + offs_n[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            acc += a * w.to(tl.float32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        # As _moe_gemm2_kernel: the linear output, then its weighted product, in dtype.
+        route_w = tl.load(topk_w_ptr + pair).to(dtype)
+        acc_out += (tl.sum(acc, axis=1).to(dtype) * route_w).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_n, acc_out.to(dtype), mask=mask_n)
+
+
 def _configs(block_n_k_warps_stages):
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
             for n, k, w, s in block_n_k_warps_stages]
@@ -280,8 +286,16 @@ _DECODE_CONFIGS = _configs([(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3),
                             (64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4)])
 _PREFILL_CONFIGS = _configs([(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3),
                              (64, 128, 4, 3), (128, 128, 8, 3)])
+# GEMV: one row per program, memory bound. At batch 1 GEMV2 has only D / BLOCK_N programs
+# (2048 / 16 = 128 < 132 SMs on an H200), hence N tiles down to 4; long K tiles put more
+# contiguous bytes of each weight row in flight per load. num_stages matters only where
+# triton's pipeliner takes loads that feed no tl.dot (triton 3.9 does not: no shared memory
+# staging in the sm_90 build).
+_GEMV_CONFIGS = _configs([(4, 256, 2, 2), (4, 512, 4, 2), (8, 256, 4, 2), (8, 512, 8, 2),
+                          (16, 128, 4, 3), (16, 256, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3)])
 _INTERPRETER_CONFIG = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
 _AUTOTUNE_KEY = ["M_BUCKET", "BLOCK_M", "N", "K"]     # + the tensors' dtypes, added by triton
+_GEMV_AUTOTUNE_KEY = ["M_BUCKET", "N", "K"]
 # Autotune results persist in triton's cache dir where triton supports it (>= 3.4).
 _CACHE = ({"cache_results": True}
           if "cache_results" in inspect.signature(triton.autotune).parameters else {})
@@ -289,27 +303,64 @@ _GEMM1 = {decode: triton.autotune(configs=cfgs, key=_AUTOTUNE_KEY, **_CACHE)(_mo
           for decode, cfgs in ((True, _DECODE_CONFIGS), (False, _PREFILL_CONFIGS))}
 _GEMM2 = {decode: triton.autotune(configs=cfgs, key=_AUTOTUNE_KEY, **_CACHE)(_moe_gemm2_kernel)
           for decode, cfgs in ((True, _DECODE_CONFIGS), (False, _PREFILL_CONFIGS))}
+_GEMV1 = triton.autotune(configs=_GEMV_CONFIGS, key=_GEMV_AUTOTUNE_KEY, **_CACHE)(
+    _moe_gemv1_kernel)
+_GEMV2 = triton.autotune(configs=_GEMV_CONFIGS, key=_GEMV_AUTOTUNE_KEY, **_CACHE)(
+    _moe_gemv2_kernel)
 
 
-def _launch_gemm(kernel, tuned, max_blocks: int, n: int, args: tuple, **kwargs):
-    """Autotuned on a GPU; one fixed config under the interpreter, which cannot tune."""
+def _launch(kernel, tuned, grid, args: tuple, **kwargs):
+    """grid(BLOCK_N) -> launch grid. Autotuned on a GPU; one fixed config under the
+    interpreter, which cannot tune."""
     if interpreting():
-        grid = (max_blocks * triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]),)
-        kernel[grid](*args, **kwargs, **_INTERPRETER_CONFIG)
+        kernel[grid(_INTERPRETER_CONFIG["BLOCK_N"])](*args, **kwargs, **_INTERPRETER_CONFIG)
     else:
-        tuned[lambda meta: (max_blocks * triton.cdiv(n, meta["BLOCK_N"]),)](*args, **kwargs)
+        tuned[lambda meta: grid(meta["BLOCK_N"])](*args, **kwargs)
 
 
-def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_map=None):
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_map=None, path="auto"):
+    """path: "auto" runs _moe_path(T)'s form; "gemv" or "grouped" forces one (benchmarks)."""
     _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map)
+    if path not in _PATHS:
+        raise ValueError(f"fused_moe: path must be one of {_PATHS}, got {path!r}")
+    out = torch.empty_like(x)
+    t = x.shape[0]
+    if t == 0:
+        return out
+    if path == "auto":
+        path = _moe_path(t)
+    run = _fused_moe_gemv if path == "gemv" else _fused_moe_grouped
+    run(x, w13, w2, topk_weights, topk_ids, slot_map, out)
+    return out
+
+
+def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, slot_map, out):
+    t, d = x.shape
+    inter = w2.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = t * top_k
+    bucket = _token_bucket(t)
+    ids = topk_ids.reshape(-1)                    # [T*k], pair p = t*k + j
+    # Without a slot map the kernels never read slot_map_ptr; ids stands in for it.
+    slots = ids if slot_map is None else slot_map
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    _launch(_moe_gemv1_kernel, _GEMV1, lambda block_n: (num_pairs, triton.cdiv(inter, block_n)),
+            (x, w13, act, ids, slots, bucket, inter, d, x.stride(0), w13.stride(0),
+             w13.stride(1), act.stride(0)),
+            TOP_K=top_k, HAS_SLOT_MAP=slot_map is not None)
+    _launch(_moe_gemv2_kernel, _GEMV2, lambda block_n: (t, triton.cdiv(d, block_n)),
+            (act, w2, out, ids, slots, topk_weights.reshape(-1), bucket, d, inter,
+             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0)),
+            TOP_K=top_k, HAS_SLOT_MAP=slot_map is not None)
+
+
+def _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, slot_map, out):
     t, d = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
     num_experts = w13.shape[0] if slot_map is None else slot_map.shape[0]
-    out = torch.empty_like(x)
-    if t == 0:
-        return out
-    bucket, block_m = fused_moe_autotune_keys(t, top_k, num_experts)
+    bucket = _token_bucket(t)
+    block_m = _grouped_block_m(bucket, top_k, num_experts)
     decode = bucket <= _DECODE_MAX_TOKENS
     sorted_ids, block_slot, num_padded = moe_align(topk_ids, num_experts, block_m, slot_map)
     max_blocks = block_slot.shape[0]
@@ -318,26 +369,27 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_map=None):
     precision = "ieee" if x.dtype == torch.float32 else None
     # act rows follow the sorted, padded order, so GEMM2 reads them without a gather.
     act = torch.empty(max_blocks * block_m, inter, dtype=x.dtype, device=x.device)
-    _launch_gemm(_moe_gemm1_kernel, _GEMM1[decode], max_blocks, inter,
-                 (x, w13, act, sorted_ids, block_slot, num_padded, num_pairs, bucket, inter, d,
-                  x.stride(0), w13.stride(0), w13.stride(1), act.stride(0)),
-                 TOP_K=top_k, BLOCK_M=block_m, GROUP_M=_GROUP_M, DOT_PRECISION=precision)
+    _launch(_moe_gemm1_kernel, _GEMM1[decode],
+            lambda block_n: (max_blocks * triton.cdiv(inter, block_n),),
+            (x, w13, act, sorted_ids, block_slot, num_padded, num_pairs, bucket, inter, d,
+             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0)),
+            TOP_K=top_k, BLOCK_M=block_m, GROUP_M=_GROUP_M, DOT_PRECISION=precision)
     # Each pair's weighted output gets its own row, summed per token afterwards, rather than
     # atomically added into a float32 [T, D] buffer: the result is deterministic, nothing
     # needs zeroing (autotune reruns are harmless), and no extra float32 -> dtype pass runs;
     # the T*k*D round trip is small next to the expert weights streamed.
     pairs = out if top_k == 1 else torch.empty(num_pairs, d, dtype=x.dtype, device=x.device)
-    _launch_gemm(_moe_gemm2_kernel, _GEMM2[decode], max_blocks, d,
-                 (act, w2, pairs, sorted_ids, block_slot, num_padded, topk_weights.contiguous(),
-                  num_pairs, bucket, d, inter, act.stride(0), w2.stride(0), w2.stride(1),
-                  pairs.stride(0)),
-                 BLOCK_M=block_m, GROUP_M=_GROUP_M, DOT_PRECISION=precision)
+    _launch(_moe_gemm2_kernel, _GEMM2[decode],
+            lambda block_n: (max_blocks * triton.cdiv(d, block_n),),
+            (act, w2, pairs, sorted_ids, block_slot, num_padded, topk_weights.contiguous(),
+             num_pairs, bucket, d, inter, act.stride(0), w2.stride(0), w2.stride(1),
+             pairs.stride(0)),
+            BLOCK_M=block_m, GROUP_M=_GROUP_M, DOT_PRECISION=precision)
     if top_k > 1:
         block_d = min(triton.next_power_of_2(d), 1024)
         _moe_sum_kernel[(t, triton.cdiv(d, block_d))](
             pairs, out, d, pairs.stride(0), out.stride(0), TOP_K=top_k, BLOCK_D=block_d,
             num_warps=4)
-    return out
 
 
 def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map):
