@@ -18,6 +18,7 @@ import json
 import uuid
 
 from freetoken.engine.sampling_params import SamplingParams
+from freetoken.scheduler.async_engine import EngineFailure
 from freetoken.server.debug_script import follow_prompt
 from freetoken.server.errors import HTTPError
 from freetoken.server.reasoning import ReasoningParser
@@ -155,7 +156,9 @@ class Generation:
         self._pending = parser.feed(prefix) if prefix else []
 
     async def steps(self, ping_s: float | None = None):
-        """Yield a Step per engine delta, or None after ping_s seconds without one."""
+        """Yield a Step per engine delta, or None after ping_s seconds without one. An engine
+        failure raises HTTPError 500 with the engine's words (a stream turns it into its
+        dialect's error event)."""
         try:
             while True:
                 try:
@@ -166,6 +169,8 @@ class Generation:
                     continue
                 except StopAsyncIteration:
                     return
+                except EngineFailure as e:   # the step that carried this request failed
+                    raise HTTPError(500, str(e), type="server_error") from e
                 yield self._take(d)
                 if d.finished:
                     return
@@ -185,8 +190,6 @@ class Generation:
                     await response.write(out)
                 if response.disconnected:
                     return False
-        except HTTPError:
-            raise
         except Exception as e:   # the engine failed mid-stream: tell the client, end the stream
             await response.write(error(e))
             response.end_stream()
