@@ -11,7 +11,7 @@ import torch
 
 from freetoken import LLM, SamplingParams
 from freetoken.bench_cli import main as bench_main
-from freetoken.moe.bandwidth import expert_costs
+from freetoken.moe.bandwidth import ExpertCosts
 from freetoken.moe.profile import PROFILE_VERSION, load_profile, profile_path
 from freetoken.utils.device import device_key, find_gpu
 from hf_checkpoints import cached_checkpoint
@@ -35,14 +35,15 @@ def ckpt(tmp_path_factory):
     return str(cached_checkpoint(str(tmp_path_factory.mktemp("hf")), "qwen3_moe", "gqa_norm_topk"))
 
 
-def write_profile(fetch_gbps, cpu_gbps, threads=1, **extra):
+def write_profile(fetch_gbps, cpu_gbps, threads=1, gflops=1.0, **extra):
     path = profile_path(device_key("cpu"))
     path.parent.mkdir(parents=True, exist_ok=True)
     profile = {"version": PROFILE_VERSION, "key": device_key("cpu"), "measured_at": "then",
                "cpu_threads": threads, "device": {"kind": "cpu", "name": "test"},
                "host_copy_gbps": {"1": 10.0},
                "experts": {"expert_bytes": 1, "top_k": 2, "pinned": False,
-                           "fetch_gbps": fetch_gbps, "cpu_expert_gbps": cpu_gbps, **extra}}
+                           "fetch_gbps": fetch_gbps, "cpu_expert_gbps": cpu_gbps,
+                           "cpu_expert_gflops": gflops, **extra}}
     path.write_text(json.dumps(profile))
     return path
 
@@ -70,7 +71,8 @@ def test_bench_bw_measures_prints_and_saves_a_profile_the_runtime_reads(capsys, 
     assert profile is not None and profile["path"].startswith(str(cache_dir))
     e = profile["experts"]
     assert e["expert_bytes"] == 3 * 64 * 32 * 4 and e["top_k"] == 2 and profile["cpu_threads"] == 1
-    for k in ("fetch_gbps", "cpu_expert_gbps", "overlap_fetch_gbps", "overlap_cpu_expert_gbps"):
+    for k in ("fetch_gbps", "cpu_expert_gbps", "cpu_expert_gflops", "overlap_fetch_gbps",
+              "overlap_cpu_expert_gbps"):
         assert e[k] > 0, k
     assert all(v > 0 for v in profile["host_copy_gbps"].values())
     assert "h2d_pinned_gbps" not in profile        # no GPU: nothing to copy to
@@ -94,11 +96,14 @@ def test_bench_bw_takes_the_expert_shape_from_a_checkpoint(capsys, ckpt):
         bench_main(["bw", "--device", "cpu", "--model", str(__import__("pathlib").Path(ckpt).parent)])
 
 
-def test_expert_costs_prefer_the_overlapped_rates():
-    assert expert_costs({"fetch_gbps": 2.0, "cpu_expert_gbps": 1.0}, 10 ** 9) == (0.5, 1.0)
-    both = {"fetch_gbps": 2.0, "cpu_expert_gbps": 1.0, "overlap_fetch_gbps": 1.0,
-            "overlap_cpu_expert_gbps": 0.5}
-    assert expert_costs(both, 10 ** 9) == (1.0, 2.0)
+def test_expert_costs_prefer_the_overlapped_rates_and_grow_with_rows():
+    alone = {"fetch_gbps": 2.0, "cpu_expert_gbps": 1.0, "cpu_expert_gflops": 6.0}
+    c = ExpertCosts.of(alone, 10 ** 9, hidden=1000, width=1000)
+    assert (c.fetch_s, c.cpu_s, c.cpu_row_s) == (0.5, 1.0, 1e-3)   # 6 * D * I FLOPs a row
+    both = {**alone, "overlap_fetch_gbps": 1.0, "overlap_cpu_expert_gbps": 0.5}
+    c = ExpertCosts.of(both, 10 ** 9, hidden=1000, width=1000)
+    assert (c.fetch_s, c.cpu_s) == (1.0, 2.0)
+    assert c.cpu_cost(1) == c.cpu_cost(2000) == 2.0 and c.cpu_cost(4000) == 4.0
 
 
 def run(ckpt, **kwargs):
@@ -155,3 +160,30 @@ def test_a_profile_that_does_not_apply_is_ignored_and_startup_calibrates(ckpt, b
         assert "measured with 7 CPU threads, not 1" in source
     else:
         assert "ignoring the bandwidth profile" in caplog.text
+
+
+def test_hybrid_fetch_count_weighs_each_miss_by_its_rows():
+    from freetoken.moe.plan import hybrid_fetch_count, hybrid_k
+    const = lambda c: (lambda rows: c)      # noqa: E731 - a CPU cost independent of rows
+    assert hybrid_fetch_count([1] * 8, 1.0, const(1.0)) == hybrid_k(8, 1.0, 1.0) == 4
+    assert hybrid_fetch_count([1, 1], 1.0, const(3.0)) == 2       # the CPU is slower: fetch both
+    assert hybrid_fetch_count([1, 1], 3.0, const(1.0)) == 0       # the CPU takes both, in 2
+    assert hybrid_fetch_count([], 1.0, const(1.0)) == 0
+    # A prefill chunk: the two busy experts would cost the CPU 10 and 5, so they are fetched.
+    assert hybrid_fetch_count([100, 50, 1, 1], 1.0, lambda n: max(0.5, n * 0.1)) == 2
+
+
+def test_hybrid_leaves_a_prefill_chunks_busy_experts_to_the_fetch(ckpt):
+    """Equal fetch and one-token CPU costs split a step's misses in half; when each row costs
+    the CPU twice a one-token expert, a prefill chunk's experts (about 4 rows each) are fetched."""
+    prompt = [[(7 * i + 3) % 300 for i in range(32)]]
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    want = LLM(ckpt, skip_tokenizer_init=True, max_prefill_length=16).generate(prompt, greedy)
+    cpu_experts = {}
+    for name, gflops in (("rows free", 1e6), ("rows cost", 0.25)):   # fp32: a row costs 2 cpu_s
+        write_profile(fetch_gbps=1.0, cpu_gbps=1.0, gflops=gflops)
+        llm = LLM(ckpt, skip_tokenizer_init=True, max_prefill_length=16, moe_backend="hybrid",
+                  moe_cache_size=8)
+        assert llm.generate(prompt, greedy)[0].token_ids == want[0].token_ids
+        cpu_experts[name] = llm.runner.moe_report()["counters"]["cpu_experts"]
+    assert cpu_experts["rows cost"] * 2 < cpu_experts["rows free"], cpu_experts

@@ -8,11 +8,13 @@ Every figure is bytes moved per second of wall time, in GB/s (1e9):
                  (pinned banks, and the staging ring that unpinned banks go through), expert
                  bytes / time, sync included;
   CPU experts    the real CPU expert kernel (moe.cpu.cpu_moe) on one token over top_k
-                 experts, expert bytes streamed / time;
+                 experts, expert bytes streamed / time; and on ROWS tokens per expert, in
+                 GFLOP/s (6 * D * I per row and expert): a prefill chunk's experts are
+                 compute-bound on the CPU, so their cost grows with their rows;
   overlapped     the fetch and the CPU kernel running at once (a hybrid step), each one's rate
                  while the other runs: they share host DRAM, so these are what hybrid gets.
-The expert figures are bandwidths, so a profile measured on one expert shape prices another's
-experts by their bytes (expert_costs).
+The expert figures are rates, so a profile measured on one expert shape prices another's
+experts by their bytes and FLOPs (ExpertCosts.of).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from freetoken.moe.fetch import ExpertFetcher
 from freetoken.moe.store import ExpertStore
 
 GB = 1e9
+ROWS = 32      # tokens per expert in the compute-bound CPU measurement
 
 
 def _sync(device: torch.device) -> None:
@@ -89,6 +92,7 @@ class ExpertBench:
         self._turn = 0
         self.x = torch.randn(1, store.hidden).to(store.dtype)
         self.weights = torch.full((1, self.top_k), 1.0 / self.top_k, dtype=store.dtype)
+        self.x_rows = torch.randn(ROWS, store.hidden).to(store.dtype)
 
     def _experts(self) -> list[int]:
         # Walk the bank so repeated calls do not keep hitting the same experts in a CPU cache.
@@ -111,13 +115,23 @@ class ExpertBench:
             cpu_moe(self.x, w13, w2, self.weights, ids)
         return self.top_k * self.store.expert_bytes
 
+    def cpu_rows(self) -> int:
+        """ROWS tokens through the same top_k experts; returns the FLOPs done."""
+        w13, w2 = self.store.bank(self.layer)
+        ids = torch.tensor([self._experts()]).expand(ROWS, -1)
+        with torch_threads(self.cpu_threads):
+            cpu_moe(self.x_rows, w13, w2, self.weights.expand(ROWS, -1), ids)
+        return ROWS * self.top_k * 6 * self.store.hidden * self.store.width
+
     def measure_fetch(self, min_time: float) -> float:
         return rate(self.fetch, min_time, self.device) / GB
 
     def measure(self, min_time: float) -> dict[str, float]:
-        """GB/s of fetch and CPU experts, each alone, then both at once."""
+        """GB/s of fetch and CPU experts, each alone, then both at once; GFLOP/s of the CPU
+        experts on ROWS tokens."""
         out = {"fetch_gbps": self.measure_fetch(min_time),
-               "cpu_expert_gbps": rate(self.cpu, min_time, self.device) / GB}
+               "cpu_expert_gbps": rate(self.cpu, min_time, self.device) / GB,
+               "cpu_expert_gflops": rate(self.cpu_rows, min_time, self.device) / GB}
         stop, result = threading.Event(), {}
 
         def fetch_loop():
@@ -134,9 +148,27 @@ class ExpertBench:
         return out
 
 
-def expert_costs(gbps: dict[str, float], expert_bytes: int) -> tuple[float, float]:
-    """(fetch seconds, CPU seconds) for one expert at the overlapped rates (what a hybrid step
-    sees), falling back to the rates alone."""
-    fetch = gbps.get("overlap_fetch_gbps") or gbps["fetch_gbps"]
-    cpu = gbps.get("overlap_cpu_expert_gbps") or gbps["cpu_expert_gbps"]
-    return expert_bytes / (fetch * GB), expert_bytes / (cpu * GB)
+@dataclasses.dataclass(frozen=True)
+class ExpertCosts:
+    """What one expert costs a step: fetching it, or computing it on the CPU for n rows,
+    max(cpu_s, n * cpu_row_s) (memory-bound for a few rows, compute-bound for many)."""
+    fetch_s: float
+    cpu_s: float
+    cpu_row_s: float
+    source: str = ""
+
+    @classmethod
+    def of(cls, rates: dict[str, float], expert_bytes: int, hidden: int, width: int,
+           source: str = "") -> "ExpertCosts":
+        """From measured rates, at the overlapped ones (what a hybrid step sees) when there."""
+        fetch = rates.get("overlap_fetch_gbps") or rates["fetch_gbps"]
+        cpu = rates.get("overlap_cpu_expert_gbps") or rates["cpu_expert_gbps"]
+        return cls(expert_bytes / (fetch * GB), expert_bytes / (cpu * GB),
+                   6 * hidden * width / (rates["cpu_expert_gflops"] * GB), source)
+
+    def cpu_cost(self, rows: int) -> float:
+        return max(self.cpu_s, rows * self.cpu_row_s)
+
+    def words(self) -> str:
+        return (f"fetch {self.fetch_s * 1e3:.3f} ms/expert, CPU {self.cpu_s * 1e3:.3f} ms/expert "
+                f"for one token and {self.cpu_row_s * 1e6:.2f} us more per token ({self.source})")

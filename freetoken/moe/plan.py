@@ -177,3 +177,22 @@ def hybrid_k(top_k: int, fetch_s: float, cpu_s: float) -> int:
     if fetch_s <= 0:
         return top_k
     return max(0, min(top_k, math.ceil(top_k * cpu_s / (fetch_s + cpu_s) - 1e-9)))
+
+
+def hybrid_fetch_count(miss_rows: list[int], fetch_s: float, cpu_cost) -> int:
+    """How many of a hybrid step's misses to fetch: miss_rows are the rows (token, k pairs)
+    of each missing expert, busiest first; the first j are fetched (j * fetch_s on the copy
+    stream) while the CPU computes the rest (sum of cpu_cost(rows)), in parallel. Returns
+    the j with the least max of the two, the largest such j on ties (fetching warms the
+    cache). One row each (decode) gives hybrid_k's split; a prefill chunk's busy experts cost
+    the CPU far more than a fetch, so they are fetched."""
+    m = len(miss_rows)
+    cpu_rest = [0.0] * (m + 1)          # cpu_rest[j]: CPU time for misses j..m-1
+    for i in range(m - 1, -1, -1):
+        cpu_rest[i] = cpu_rest[i + 1] + cpu_cost(miss_rows[i])
+    best_j, best = m, m * fetch_s
+    for j in range(m - 1, -1, -1):
+        cost = max(j * fetch_s, cpu_rest[j])
+        if cost < best:
+            best_j, best = j, cost
+    return best_j

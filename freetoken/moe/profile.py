@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from freetoken.moe.bandwidth import ExpertBench, h2d_gbps, host_copy_gbps
+from freetoken.moe.bandwidth import ROWS, ExpertBench, h2d_gbps, host_copy_gbps
 from freetoken.moe.store import ExpertStore
 from freetoken.utils import env
 from freetoken.utils.device import device_key
 
 log = logging.getLogger("freetoken.moe")
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2      # 2: + cpu_expert_gflops
 H2D_SIZES = (2 * 2**20, 16 * 2**20, 256 * 2**20)
 
 
@@ -58,7 +58,7 @@ def load_profile(key: str) -> dict | None:
     experts = profile.get("experts")
     if not isinstance(experts, dict) or not all(
             isinstance(experts.get(k), (int, float)) and experts[k] > 0
-            for k in ("fetch_gbps", "cpu_expert_gbps")):
+            for k in ("fetch_gbps", "cpu_expert_gbps", "cpu_expert_gflops")):
         log.warning("ignoring the bandwidth profile %s: no expert figures", path)
         return None
     profile["path"] = str(path)
@@ -117,7 +117,7 @@ def _describe(device: torch.device) -> dict:
 
 
 def format_table(profile: dict) -> str:
-    rows = [("what", "GB/s")]
+    rows = [("what", "GB/s")]      # GB/s unless the row says otherwise
     for n, v in profile["host_copy_gbps"].items():
         rows.append((f"host DRAM copy, {n} thread(s) (read + write)", f"{v:.1f}"))
     for name, label in (("h2d_pinned_gbps", "pinned"), ("h2d_pageable_gbps", "pageable")):
@@ -128,9 +128,10 @@ def format_table(profile: dict) -> str:
     rows += [(f"expert fetch, {k} x {mib:.2f} MiB ({'pinned' if e['pinned'] else 'pageable'} bank)",
               f"{e['fetch_gbps']:.1f}")]
     if "fetch_staged_gbps" in e:
-        rows.append((f"expert fetch through the staging ring", f"{e['fetch_staged_gbps']:.1f}"))
+        rows.append(("expert fetch through the staging ring", f"{e['fetch_staged_gbps']:.1f}"))
     rows += [(f"CPU experts, 1 token x {k} experts, {profile['cpu_threads']} threads",
               f"{e['cpu_expert_gbps']:.1f}"),
+             (f"CPU experts, {ROWS} tokens x {k} experts (GFLOP/s)", f"{e['cpu_expert_gflops']:.1f}"),
              ("overlapped: expert fetch", f"{e['overlap_fetch_gbps']:.1f}"),
              ("overlapped: CPU experts", f"{e['overlap_cpu_expert_gbps']:.1f}")]
     width = max(len(r[0]) for r in rows)

@@ -8,7 +8,9 @@ Per layer and step (the router has already picked ids [T, k] and weights [T, k])
      stream), make the compute stream wait for that batch, start prefetching the guess for
      the next layer (its copies overlap this layer's kernel), then
      tk.fused_moe(x, w13_pool, w2_pool, weights, ids, slot_map);
-     hybrid: only K misses are fetched, the others run on the CPU while the kernel runs;
+     hybrid: only some misses are fetched (the busiest; how many from the measured costs
+     and each miss's rows, or a fixed moe_hybrid_k), the others run on the CPU while the
+     kernel runs;
      cpu layers: x goes to the host, the experts run there, the result comes back.
 
 Prefetch accuracy = guessed experts the next layer then used / experts guessed.
@@ -26,11 +28,11 @@ from typing import Callable
 import torch
 
 import triton_kernels as tk
-from freetoken.moe.bandwidth import ExpertBench, expert_costs
+from freetoken.moe.bandwidth import ExpertBench, ExpertCosts
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.config import MoeConfig
 from freetoken.moe.cpu import cpu_moe, torch_threads
-from freetoken.moe.plan import MoePlan, hybrid_k
+from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
 from freetoken.moe.profile import load_profile
 from freetoken.moe.store import ExpertStore
@@ -57,6 +59,7 @@ class MoeRuntime:
         self.next_cached = {a: b for a, b in zip(moe_layers, moe_layers[1:])
                             if b in plan.cache_layers and cfg.prefetch}
         self.hybrid_k, self.hybrid_k_source = None, None
+        self.costs: ExpertCosts | None = None
         if plan.backend == "hybrid" and self.cache is not None:
             self._resolve_hybrid_k()
         elif plan.requested == "auto" and plan.backend == "offload" and self.cache is not None:
@@ -102,7 +105,8 @@ class MoeRuntime:
             self.cpu_experts[layer] += len(needed)
             return self._cpu(layer, x_h, w_h, ids_h, None).to(x.device)
 
-        res = self.cache.ensure(layer, needed, self.hybrid_k if mode == "hybrid" else None)
+        res = self.cache.ensure(layer, needed,
+                                self._fetch_budget(layer, needed, counts) if mode == "hybrid" else None)
         self.cache.wait()
         self._prefetch(nxt, guess_h, {(layer, e) for e in needed})
         on_device = res.hits + res.fetched
@@ -117,6 +121,14 @@ class MoeRuntime:
         self.cpu_experts[layer] += len(res.skipped)
         cpu_out = self._cpu(layer, x_h, w_h, ids_h, res.skipped).to(x.device)
         return cpu_out if out is None else out + cpu_out
+
+    def _fetch_budget(self, layer: int, needed: list[int], counts: list[int]) -> int:
+        """Hybrid: misses to fetch this step. A fixed moe_hybrid_k, or from the measured
+        costs and each miss's rows, so a prefill chunk's busy experts are not left to the CPU."""
+        if self.costs is None:
+            return self.hybrid_k
+        rows = [counts[e] for e in needed if (layer, e) not in self.cache.slot_of]
+        return hybrid_fetch_count(rows, self.costs.fetch_s, self.costs.cpu_cost)
 
     def _kernel(self, layer, x, weights, ids) -> torch.Tensor:
         c = self.cache
@@ -156,48 +168,48 @@ class MoeRuntime:
             self.hybrid_k = min(self.cfg.hybrid_k, self.top_k)
             self.hybrid_k_source = f"moe_hybrid_k={self.cfg.hybrid_k}"
             return
-        fetch_s, cpu_s, source = self.expert_costs()
-        self.hybrid_k = hybrid_k(self.top_k, fetch_s, cpu_s)
-        self.hybrid_k_source = _costs_words(fetch_s, cpu_s, source)
+        self.costs = self.expert_costs()
+        self.hybrid_k = hybrid_k(self.top_k, self.costs.fetch_s, self.costs.cpu_s)
+        self.hybrid_k_source = self.costs.words()
 
     def _refine_auto(self) -> None:
         """auto resolved to offload (the experts do not fit): price a miss fetched against a
         miss computed on the CPU and take hybrid when the CPU should share the misses."""
-        fetch_s, cpu_s, source = self.expert_costs()
-        k = hybrid_k(self.top_k, fetch_s, cpu_s)
-        words = _costs_words(fetch_s, cpu_s, source)
+        costs = self.expert_costs()
+        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s)
         if k >= self.top_k:
-            reason = f"{self.plan.reason}; offload: {words}, so every miss is fetched"
+            reason = f"{self.plan.reason}; offload: {costs.words()}, so every miss is fetched"
             self.plan = dataclasses.replace(self.plan, reason=reason)
             return
-        reason = (f"{self.plan.reason}; hybrid: {words}, so the CPU computes all but {k} of "
-                  f"each layer's misses")
+        reason = (f"{self.plan.reason}; hybrid: {costs.words()}, so the CPU computes all but "
+                  f"{k} of a decode step's misses per layer")
         self.plan = dataclasses.replace(self.plan, backend="hybrid", reason=reason)
         self.mode = {l: "hybrid" if m == "offload" else m for l, m in self.mode.items()}
-        self.hybrid_k, self.hybrid_k_source = k, words
+        self.costs, self.hybrid_k, self.hybrid_k_source = costs, k, costs.words()
 
-    def expert_costs(self) -> tuple[float, float, str]:
-        """(seconds to fetch one expert, seconds to run it on the CPU for one token, where
-        the figures come from): this device's saved profile (`ft bench bw`) when it was
-        measured with the CPU thread count used here, else a short calibration now."""
+    def expert_costs(self) -> ExpertCosts:
+        """What fetching one expert and computing it on the CPU cost: this device's saved
+        profile (`ft bench bw`) when it was measured with the CPU thread count used here,
+        else a short calibration now."""
         layer = self.plan.cache_layers[0]
+        s = self.store
         threads = self.cfg.cpu_threads or torch.get_num_threads()
         key = device_key(self.device)
         profile = load_profile(key)
         if profile is not None and profile.get("cpu_threads") == threads:
             rates = dict(profile["experts"])
-            if not self.store.pinned[layer] and "fetch_staged_gbps" in rates:
+            if not s.pinned[layer] and "fetch_staged_gbps" in rates:
                 rates["fetch_gbps"] = rates.pop("fetch_staged_gbps")
                 rates.pop("overlap_fetch_gbps", None)     # measured from a pinned bank
-            fetch_s, cpu_s = expert_costs(rates, self.store.expert_bytes)
-            return fetch_s, cpu_s, f"profile {profile['path']} of {profile.get('measured_at')}"
+            return ExpertCosts.of(rates, s.expert_bytes, s.hidden, s.width,
+                                  f"profile {profile['path']} of {profile.get('measured_at')}")
         why = ("no profile for " + key if profile is None else
                f"the profile was measured with {profile.get('cpu_threads')} CPU threads, not {threads}")
         # Slots 0..k-1 are scratch: nothing is mapped yet.
-        bench = ExpertBench(self.store, layer, self.cache.w13_pool, self.cache.w2_pool,
-                            self.top_k, self.cfg.cpu_threads)
-        fetch_s, cpu_s = expert_costs(bench.measure(CALIBRATION_S), self.store.expert_bytes)
-        return fetch_s, cpu_s, f"calibrated at startup ({why}; `ft bench bw` saves one)"
+        bench = ExpertBench(s, layer, self.cache.w13_pool, self.cache.w2_pool, self.top_k,
+                            self.cfg.cpu_threads)
+        return ExpertCosts.of(bench.measure(CALIBRATION_S), s.expert_bytes, s.hidden, s.width,
+                              f"calibrated at startup ({why}; `ft bench bw` saves one)")
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
@@ -236,7 +248,3 @@ class MoeRuntime:
                 "per_layer": per_layer},
         }
 
-
-def _costs_words(fetch_s: float, cpu_s: float, source: str) -> str:
-    return (f"fetch {fetch_s * 1e3:.3f} ms/expert, CPU {cpu_s * 1e3:.3f} ms/expert for one "
-            f"token ({source})")
