@@ -72,6 +72,11 @@ def test_sampler_filters():
     for _ in range(5):
         got = torch.tensor(sample(logits, _rows(64, top_k=3)).token_ids)
         assert (top3 == got[:, None]).any(-1).all()
+    # Greedy and sampled rows in one call: the greedy ones still take the argmax.
+    mixed = [SampleRow(SamplingParams(temperature=0 if i % 2 else 1.0, top_p=0.9), None)
+             for i in range(64)]
+    got = sample(logits, mixed).token_ids
+    assert got[1::2] == greedy[1::2] and got[::2] != greedy[::2]
     # Banned ids are never drawn, not even greedily.
     rows = [SampleRow(SamplingParams(temperature=0), None, banned_ids=(g,)) for g in greedy]
     assert all(t != g for t, g in zip(sample(logits, rows).token_ids, greedy))

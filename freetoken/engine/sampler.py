@@ -42,17 +42,25 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
                 logits[i] = float("-inf")
                 logits[i, row.forced_id] = 0.0
 
-    greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
+    # The one host sync of a step is the final tolist(): the per-row settings go to the
+    # device without a blocking copy (_rows_tensor), and all-greedy is decided on the host.
     chosen = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows],
-                             device=logits.device, dtype=torch.float32)
+    if not all(r.params.is_greedy for r in rows):
+        dev = logits.device
+        greedy = _rows_tensor([r.params.is_greedy for r in rows], torch.bool, dev)
+        temps = _rows_tensor([r.params.temperature or 1.0 for r in rows], torch.float32, dev)
         probs = _filtered_probs(logits / temps[:, None], rows)
         noise = _exponential(probs, rows)
         sampled = (probs / noise).argmax(dim=-1)
         chosen = torch.where(greedy, chosen, sampled)
     token_ids = chosen.tolist()
     return SampleResult(token_ids, _logprobs(raw, token_ids, rows))
+
+
+def _rows_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-row setting on the device: through pinned memory without blocking on CUDA."""
+    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return t.to(device, non_blocking=True)
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -64,18 +72,18 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
         ranks = torch.arange(vocab, device=logits.device)[None, :]
-        k = torch.tensor([kk or vocab for kk in top_k], device=logits.device)[:, None]
+        k = _rows_tensor([kk or vocab for kk in top_k], torch.int64, logits.device)[:, None]
         drop = ranks >= k
         sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor(top_p, device=logits.device)[:, None]
+        p = _rows_tensor(top_p, torch.float32, logits.device)[:, None]
         drop |= mass_before >= p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
     if any(m > 0 for m in min_p):
-        m = torch.tensor(min_p, device=logits.device)[:, None]
+        m = _rows_tensor(min_p, torch.float32, logits.device)[:, None]
         probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -84,8 +92,11 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 def _exponential(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        return noise.exponential_()
     if unseeded:
-        noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
+        idx = _rows_tensor(unseeded, torch.int64, probs.device)
+        noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
     for i, r in enumerate(rows):
         if r.generator is not None:
             noise[i] = torch.empty(probs.shape[1], device=r.generator.device).exponential_(
