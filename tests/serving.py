@@ -157,7 +157,7 @@ class InProcessServer(HttpClient):
             started.set()
             await self.stop_event.wait()
             self.http.close()
-            await self.app.shutdown(1.0)
+            await self.app.shutdown(self.app.server_config.shutdown_timeout_s)
             await self.http.shutdown(timeout=1.0)
 
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(main(),),

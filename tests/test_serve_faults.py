@@ -105,3 +105,27 @@ def test_non_streaming_requests_get_a_500_with_the_engines_words_and_the_sdk_rai
                                                 stream=True, extra_body={"ignore_eos": True}):
             pass
     healthy(server)
+
+
+def test_requests_still_running_at_shutdown_get_a_503(tmp_path, monkeypatch):
+    """Shutdown lets running requests finish for its grace period, then fails the rest as
+    unavailable (503), not as an engine fault."""
+    import threading
+
+    from freetoken.demo.tiny_model import make_tiny_model
+    monkeypatch.setenv("FREETOKEN_DEBUG_STEP_DELAY_S", "0.05")     # about 20 tokens a second
+    server = InProcessServer(make_tiny_model(tmp_path / MODEL, family="qwen3_moe", seed=0),
+                             name=MODEL, shutdown_timeout_s=0.3)
+    got = {}
+
+    def slow():
+        got["answer"] = server.request("POST", "/v1/chat/completions", {
+            "model": MODEL, "messages": USER, "max_tokens": 200, "ignore_eos": True})
+    client = threading.Thread(target=slow)
+    client.start()
+    while not server.app.engine.streams:
+        threading.Event().wait(0.01)
+    server.close()
+    client.join(30)
+    status, body = got["answer"]
+    assert status == 503 and "shutting down" in body["error"]["message"], body

@@ -70,8 +70,14 @@ def h2d_gbps(device: torch.device, nbytes: int, pinned: bool, min_time: float) -
     src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
+    calls = 0
+
     def copy() -> int:
+        nonlocal calls
         dst.copy_(src, non_blocking=pinned)
+        calls += 1
+        if calls % 16 == 0:      # bound the queue, so a run ends near min_time
+            _sync(device)
         return nbytes
     return rate(copy, min_time, device) / GB
 
@@ -103,9 +109,11 @@ class ExpertBench:
 
     def fetch(self) -> int:
         self.fetcher.fetch(self.layer, list(zip(self._experts(), range(self.top_k))))
-        if self.fetcher.event is not None:
-            self.fetcher.event.synchronize()
-            self.fetcher.event = None
+        event, self.fetcher.event = self.fetcher.event, None
+        # Poll rather than Event.synchronize(), which spins a core: in a hybrid step the
+        # engine thread only enqueues copies, so a spinning waiter would understate the CPU.
+        while event is not None and not event.query():
+            time.sleep(20e-6)
         return self.top_k * self.store.expert_bytes
 
     def cpu(self) -> int:
@@ -135,7 +143,10 @@ class ExpertBench:
         stop, result = threading.Event(), {}
 
         def fetch_loop():
-            result["fetch"] = rate(self.fetch, 1e9, self.device, stop)
+            try:
+                result["fetch"] = rate(self.fetch, 1e9, self.device, stop)
+            except BaseException as e:      # re-raised below, on the measuring thread
+                result["error"] = e
         worker = threading.Thread(target=fetch_loop, name="bw-fetch", daemon=True)
         worker.start()
         try:
@@ -143,6 +154,8 @@ class ExpertBench:
         finally:
             stop.set()
             worker.join()
+        if "error" in result:
+            raise result["error"]
         out["overlap_fetch_gbps"] = result["fetch"] / GB
         out["overlap_cpu_expert_gbps"] = cpu / GB
         return out

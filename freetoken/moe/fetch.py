@@ -57,6 +57,7 @@ class ExpertFetcher:
         staged = self.force_staging or (self.is_cuda and not self.store.pinned[layer])
         nbytes = len(moves) * self.store.expert_bytes
         if self.is_cuda:
+            self._drain_timed()         # keeps the deque to the few batches in flight
             compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self.stream):
                 self.stream.wait_stream(compute)
@@ -106,12 +107,16 @@ class ExpertFetcher:
             buf.done = None
         return buf
 
-    def achieved_gbps(self) -> float | None:
-        """GB/s over the batches finished so far (None before any): what the copies reached."""
+    def _drain_timed(self) -> None:
+        """Fold the finished batches (in order: one stream) into busy_s and timed_bytes."""
         while self._timed and self._timed[0][1].query():
             start, end, nbytes = self._timed.popleft()
             self.busy_s += start.elapsed_time(end) / 1e3
             self.timed_bytes += nbytes
+
+    def achieved_gbps(self) -> float | None:
+        """GB/s over the batches finished so far (None before any): what the copies reached."""
+        self._drain_timed()
         return self.timed_bytes / self.busy_s / 1e9 if self.busy_s > 0 else None
 
     def reset_counters(self) -> None:

@@ -168,15 +168,9 @@ def plan_moe(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, max_step_tokens
 
 
 def hybrid_k(top_k: int, fetch_s: float, cpu_s: float) -> int:
-    """Misses to fetch per layer and step so fetching and CPU compute finish together.
-
-    With m misses, fetching j costs j * fetch_s while the CPU computes the other m - j at
-    cpu_s each, in parallel; max(j * fetch_s, (m - j) * cpu_s) is least at j = m * cpu_s /
-    (fetch_s + cpu_s). m is at most top_k in a decode step, so K = ceil(top_k * that share).
-    """
-    if fetch_s <= 0:
-        return top_k
-    return max(0, min(top_k, math.ceil(top_k * cpu_s / (fetch_s + cpu_s) - 1e-9)))
+    """Misses to fetch in a decode step with top_k misses of one row each: hybrid's K, as
+    reported and as the prefetch limit (hybrid_fetch_count picks each step's own split)."""
+    return hybrid_fetch_count([1] * top_k, fetch_s, lambda rows: cpu_s)
 
 
 def hybrid_fetch_count(miss_rows: list[int], fetch_s: float, cpu_cost) -> int:
@@ -184,8 +178,12 @@ def hybrid_fetch_count(miss_rows: list[int], fetch_s: float, cpu_cost) -> int:
     of each missing expert, busiest first; the first j are fetched (j * fetch_s on the copy
     stream) while the CPU computes the rest (sum of cpu_cost(rows)), in parallel. Returns
     the j with the least max of the two, the largest such j on ties (fetching warms the
-    cache). One row each (decode) gives hybrid_k's split; a prefill chunk's busy experts cost
-    the CPU far more than a fetch, so they are fetched."""
+    cache). A prefill chunk's busy experts cost the CPU far more than a fetch, so they are
+    fetched.
+
+    Staged fetches (experts of layers beyond the pin budget) are priced at the ring's rate
+    as if they overlapped the CPU work, but their host memcpy runs on the engine thread
+    before the CPU experts start, so for those layers this fetches somewhat too many."""
     m = len(miss_rows)
     cpu_rest = [0.0] * (m + 1)          # cpu_rest[j]: CPU time for misses j..m-1
     for i in range(m - 1, -1, -1):

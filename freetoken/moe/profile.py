@@ -72,6 +72,8 @@ def measure_profile(device: torch.device, hidden: int = 2048, width: int = 768,
     """Everything `ft bench bw` reports, for this device and an expert shape (default:
     Qwen3-30B-A3B's). quick: shorter runs and smaller buffers (tests, a first look)."""
     device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)      # pinning and copies in this card's context
     threads = cpu_threads or torch.get_num_threads()
     min_time = 0.05 if quick else 0.5
     copy_bytes = (64 if quick else 1024) * 2**20

@@ -74,7 +74,8 @@ class ExpertStore:
         cudart = torch.cuda.cudart()
         done = []
         for t in (self.w13[layer], self.w2[layer]):
-            err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+            # cudaHostRegisterPortable: pinned for every CUDA context, not just the current one.
+            err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1))
             if err != 0:
                 log.warning("cannot pin layer %d's experts (cudaError %d); it goes through the "
                             "staging ring", layer, err)

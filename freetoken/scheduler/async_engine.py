@@ -21,7 +21,11 @@ log = logging.getLogger("freetoken.scheduler")
 
 
 class EngineFailure(RuntimeError):
-    """The engine failed while running this request."""
+    """The engine failed while running this request (or stopped: `unavailable`, a 503)."""
+
+    def __init__(self, message: str, unavailable: bool = False):
+        super().__init__(message)
+        self.unavailable = unavailable
 
 
 class RequestStream:
@@ -146,7 +150,7 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout_s
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        self._fail_all(EngineFailure("the server is shutting down"))
+        self._fail_all(EngineFailure("the server is shutting down", unavailable=True))
         self._stopping = True
         self._wake.set()
         if self._task is not None:

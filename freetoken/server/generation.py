@@ -169,8 +169,8 @@ class Generation:
                     continue
                 except StopAsyncIteration:
                     return
-                except EngineFailure as e:   # the step that carried this request failed
-                    raise HTTPError(500, str(e), type="server_error") from e
+                except EngineFailure as e:   # a step that carried it failed, or shutdown
+                    raise HTTPError(503 if e.unavailable else 500, str(e), type="server_error") from e
                 yield self._take(d)
                 if d.finished:
                     return
