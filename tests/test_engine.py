@@ -82,6 +82,26 @@ def test_sampler_filters():
     assert all(t != g for t, g in zip(sample(logits, rows).token_ids, greedy))
 
 
+def test_candidate_filters_equal_the_full_sort():
+    """top-k, top-p (with and without top-k; nuclei inside and wider than the candidates)
+    and min-p on candidates give the full-vocabulary probabilities."""
+    from freetoken.engine import sampler
+    torch.manual_seed(0)
+    vocab = 3000
+    peaked = torch.randn(4, vocab) * 8           # nucleus of a few tokens
+    flat = torch.randn(4, vocab) * 0.1           # nucleus wider than NUCLEUS_CANDIDATES
+    logits = torch.cat([peaked, flat])
+    params = [dict(top_k=5), dict(top_p=0.9), dict(top_k=50, top_p=0.8), dict(top_p=0.5, min_p=0.1),
+              dict(top_p=0.95), dict(top_k=2000, top_p=0.99), dict(top_p=0.3), dict(top_k=7, min_p=0.05)]
+    rows = [SampleRow(SamplingParams(temperature=1.0, **p), None) for p in params]
+    probs, ids, caps = sampler.filtered_candidates(logits, rows)
+    got = torch.zeros_like(logits).scatter(1, ids, probs)
+    want = sampler.filtered_probs_reference(logits, rows)
+    assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+    assert caps[1] == sampler.NUCLEUS_CANDIDATES and caps[4] == vocab   # wide nucleus: full sort
+    assert (want > 0).sum(-1).tolist()[4] > sampler.NUCLEUS_CANDIDATES
+
+
 def test_sampler_distribution_and_logprobs():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(4000, 1)
     toks = torch.tensor(sample(logits, _rows(4000)).token_ids)

@@ -3,7 +3,9 @@
 logits: [N, V] float32, one row per sequence that samples this step. Rows are processed
 together; only per-request random draws loop, so each seeded request's stream depends on its
 own generator alone (the same seed gives the same tokens whatever it is batched with).
-Sampling uses the exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p.
+A draw is the inverse CDF at one uniform per row (not a random number per token).
+Filters work on each row's top candidates (top-k, or the nucleus's), never a full sort
+of the vocabulary unless a top-p nucleus is wider than NUCLEUS_CANDIDATES tokens.
 """
 
 from __future__ import annotations
@@ -42,17 +44,21 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
                 logits[i] = float("-inf")
                 logits[i, row.forced_id] = 0.0
 
-    # The one host sync of a step is the final tolist(): the per-row settings go to the
-    # device without a blocking copy (_rows_tensor), and all-greedy is decided on the host.
+    # The host syncs of a step: the final tolist(), and one more only when a top-p row
+    # without top-k must check that its nucleus lies within its candidates. Per-row settings
+    # go to the device without a blocking copy (_rows_tensor); who samples is host-side.
     chosen = logits.argmax(dim=-1)
-    if not all(r.params.is_greedy for r in rows):
+    draw = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if draw:
         dev = logits.device
-        greedy = _rows_tensor([r.params.is_greedy for r in rows], torch.bool, dev)
-        temps = _rows_tensor([r.params.temperature or 1.0 for r in rows], torch.float32, dev)
-        probs = _filtered_probs(logits / temps[:, None], rows)
-        noise = _exponential(probs, rows)
-        sampled = (probs / noise).argmax(dim=-1)
-        chosen = torch.where(greedy, chosen, sampled)
+        drawn_rows = [rows[i] for i in draw]
+        temps = _rows_tensor([r.params.temperature for r in drawn_rows], torch.float32, dev)
+        picked = logits if len(draw) == n else logits[_rows_tensor(draw, torch.int64, dev)]
+        sampled = _draw(picked / temps[:, None], drawn_rows)
+        if len(draw) == n:
+            chosen = sampled
+        else:
+            chosen[_rows_tensor(draw, torch.int64, dev)] = sampled
     token_ids = chosen.tolist()
     return SampleResult(token_ids, _logprobs(raw, token_ids, rows))
 
@@ -63,45 +69,122 @@ def _rows_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torc
     return t.to(device, non_blocking=True)
 
 
-def _filtered_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Apply top-k, top-p and min-p per row; returns renormalised probabilities [N, V]."""
-    top_k = [r.params.top_k if r.params.top_k > 0 else 0 for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    min_p = [r.params.min_p for r in rows]
-    if any(top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        k = _rows_tensor([kk or vocab for kk in top_k], torch.int64, logits.device)[:, None]
-        drop = ranks >= k
-        sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = _rows_tensor(top_p, torch.float32, logits.device)[:, None]
-        drop |= mass_before >= p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    if any(m > 0 for m in min_p):
-        m = _rows_tensor(min_p, torch.float32, logits.device)[:, None]
-        probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+def _draw(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """One draw per row of x [m, V] (temperature applied) under its filters -> ids [m].
+
+    Rows without top-k or top-p draw from the whole vocabulary (no sort). The others work
+    on their candidates, the top min(top_k, V) tokens, or for top-p alone the top
+    NUCLEUS_CANDIDATES when they hold at least top_p of the mass (the nucleus is then among
+    them), else the whole sorted vocabulary: a sort of 150k logits per row costs far more
+    than the step on a CPU, and the nucleus of a real model is a few hundred tokens at most.
+    """
+    m, vocab = x.shape
+    out = torch.empty(m, dtype=torch.int64, device=x.device)
+    plain = [j for j, r in enumerate(rows) if _cap(r.params, vocab) is None]
+    filtered = sorted(set(range(m)) - set(plain))
+    for group, fn in ((plain, _draw_plain), (filtered, _draw_filtered)):
+        if group:
+            sub = x if len(group) == m else x[_rows_tensor(group, torch.int64, x.device)]
+            got = fn(sub, [rows[j] for j in group])
+            if len(group) == m:
+                return got
+            out[_rows_tensor(group, torch.int64, x.device)] = got
+    return out
 
 
-def _exponential(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-    if len(unseeded) == len(rows):
-        return noise.exponential_()
-    if unseeded:
-        idx = _rows_tensor(unseeded, torch.int64, probs.device)
-        noise[idx] = torch.empty((len(unseeded), probs.shape[1]), device=probs.device).exponential_()
-    for i, r in enumerate(rows):
+NUCLEUS_CANDIDATES = 1024
+
+
+def _cap(p: SamplingParams, vocab: int) -> int | None:
+    """How many top tokens a row's filters look at first; None: the whole vocabulary."""
+    if p.top_k > 0:
+        return min(p.top_k, vocab)
+    if p.top_p < 1.0:
+        return min(NUCLEUS_CANDIDATES, vocab)
+    return None
+
+
+def _draw_plain(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    probs = _min_p(x.softmax(dim=-1), rows)
+    return _pick(probs, rows)
+
+
+def _draw_filtered(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    probs, ids, _ = filtered_candidates(x, rows)
+    return ids.gather(1, _pick(probs, rows)[:, None]).squeeze(1)
+
+
+def filtered_candidates(x: torch.Tensor, rows: list[SampleRow]):
+    """x [m, V] -> (probs [m, C] after top-k, top-p and min-p, their token ids [m, C], each
+    row's candidate count). Tokens outside a row's candidates have probability 0."""
+    m, vocab = x.shape
+    caps = [_cap(r.params, vocab) for r in rows]
+    # [m] full-vocabulary normaliser, needed by the rows without top-k only.
+    lse = x.logsumexp(dim=-1) if any(r.params.top_k <= 0 for r in rows) else None
+    nucleus = [j for j, r in enumerate(rows) if r.params.top_k <= 0 and caps[j] < vocab]
+    if nucleus:
+        # Candidates hold the nucleus iff their mass reaches top_p (the one extra sync).
+        idx = _rows_tensor(nucleus, torch.int64, x.device)
+        top = x[idx].topk(max(caps[j] for j in nucleus), dim=-1).values
+        mass = (top.logsumexp(dim=-1) - lse[idx]).exp().tolist()
+        for j, held in zip(nucleus, mass):
+            if held < rows[j].params.top_p:
+                caps[j] = vocab
+    vals, ids = x.topk(max(caps), dim=-1)                            # [m, C], descending
+    dev = x.device
+    c = vals.shape[1]
+    drop = torch.arange(c, device=dev)[None, :] >= _rows_tensor(caps, torch.int64, dev)[:, None]
+    has_k = _rows_tensor([r.params.top_k > 0 for r in rows], torch.bool, dev)
+    # top-k rows normalise over their k tokens, top-p-only rows over the whole vocabulary.
+    log_z = vals.masked_fill(drop, float("-inf")).logsumexp(dim=-1)
+    if lse is not None:
+        log_z = torch.where(has_k, log_z, lse)
+    sorted_probs = (vals - log_z[:, None]).exp().masked_fill(drop, 0.0)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop |= mass_before >= _rows_tensor([r.params.top_p for r in rows], torch.float32, dev)[:, None]
+    probs = _min_p(vals.masked_fill(drop, float("-inf")).softmax(dim=-1), rows)
+    return probs, ids, caps
+
+
+def filtered_probs_reference(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The reference of filtered_candidates: every filter over the whole vocabulary, sorted
+    (the textbook way; tests compare against it, bench/sampler.py times it). -> [m, V]."""
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows],
+                     device=logits.device)[:, None]
+    drop = torch.arange(vocab, device=logits.device)[None, :] >= k
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=logits.device)[:, None]
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+    filtered = torch.full_like(logits, float("-inf")).scatter(
+        -1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return _min_p(filtered.softmax(dim=-1), rows)
+
+
+def _min_p(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    if not any(r.params.min_p > 0 for r in rows):
+        return probs
+    m = _rows_tensor([r.params.min_p for r in rows], torch.float32, probs.device)[:, None]
+    probs = probs.masked_fill(probs < m * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _pick(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """One draw from each row of probs [m, C] (unnormalised is fine) by the inverse CDF: one
+    uniform per row, so a seeded row's stream is its generator's alone, whatever it is
+    batched with. The CDF is summed in float64 so that a 150k-token vocabulary's tail keeps
+    its probabilities."""
+    m = probs.shape[0]
+    u = torch.rand(m, device=probs.device) if any(r.generator is None for r in rows) else \
+        torch.empty(m, device=probs.device)
+    for j, r in enumerate(rows):
         if r.generator is not None:
-            noise[i] = torch.empty(probs.shape[1], device=r.generator.device).exponential_(
-                generator=r.generator).to(probs.device)
-    return noise
+            u[j:j + 1] = torch.rand(1, generator=r.generator, device=r.generator.device).to(u.device)
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u.double() * cdf[:, -1])[:, None]          # in [0, total): some cdf exceeds it
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _logprobs(raw: torch.Tensor, token_ids: list[int], rows: list[SampleRow]):
