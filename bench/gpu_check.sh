@@ -39,6 +39,8 @@ timeout 60 python3 bench/kernels.py --dtype bf16 --ops rms_norm,rope,silu_and_mu
   2>&1 | tee "$OUT/kernels.txt"
 echo "== fused MoE: GEMV vs grouped at 1..64 tokens (the crossover sets _GEMV_MAX_TOKENS)"
 timeout 150 python3 bench/kernels.py --dtype bf16 --ops fused_moe 2>&1 | tee "$OUT/kernels_moe.txt"
+echo "== sampling vs a full-vocabulary sort"
+timeout 60 python3 bench/sampler.py --device cuda 2>&1 | tee "$OUT/sampler.txt"
 echo "== model through the kernels vs the references"
 timeout 90 python3 bench/cuda_parity.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/parity.txt"
 echo "== first request after ready"
