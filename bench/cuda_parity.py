@@ -26,11 +26,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=list(TOL))
+    p.add_argument("--families", nargs="+", default=["qwen3_moe", "qwen2_moe", "mixtral"])
     args = p.parse_args(argv)
     failures = 0
     prompts = [[(7 * i + j) % 1800 + 3 for j in range(n)] for i, n in enumerate((1, 7, 127, 300))]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    for family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+    for family in args.families:
         with tempfile.TemporaryDirectory() as d:
             make_tiny_model(d, family=family, seed=0, dtype=args.dtype)
             results = {}
