@@ -10,9 +10,14 @@ on the spot with random weights. The expert cache holds --cache-rate of all expe
 Random weights route almost uniformly, where no policy can beat another, so every arm also
 runs a "skewed" variant: router rows scaled by 1 + 2 / rank^0.8 over a random expert order
 (a Zipf-like popularity; consecutive tokens share much of their hidden state, which makes the
-choices temporally correlated). Printed: tokens/s at batch 1 and 8, hit rate, prefetch accuracy,
-achieved fetch GB/s against the pinned host->device ceiling measured in the same run, and the
-PCIe bound for the measured hit rate (expert bytes missed per token / ceiling).
+choices temporally correlated). Arms: resident; offload with plain LRU (no prefetch), LRU and
+lfu-decay (both with prefetch); hybrid and auto (which read `ft bench bw`'s profile, else
+calibrate); transformers resident and accelerate offload. Decode is measured apart from
+prefill (a run of 1 + N tokens minus a run of 1). Printed per arm at batch 1 and 8: tokens/s,
+hit rate, prefetch accuracy, bytes fetched per token, achieved fetch GB/s (copy-stream busy
+time, and over wall time) against the pinned host->device ceiling measured in the same run,
+and two PCIe bounds: the issue's (expert bytes missed at the measured hit rate / ceiling) and
+the bytes this arm really moved per token / ceiling (prefetches count there).
 """
 
 from __future__ import annotations
