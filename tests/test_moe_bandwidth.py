@@ -138,11 +138,25 @@ def test_explicit_hybrid_reads_k_from_the_profile(ckpt):
     write_profile(fetch_gbps=1.0, cpu_gbps=0.5)
     report = run(ckpt, moe_backend="hybrid", moe_cache_size=8)[0].runner.moe_report()
     assert report["hybrid_k"] == 2 and "profile" in report["hybrid_k_source"]
-    # Unpinned banks (always so on a CPU device) go through the staging ring, priced at its
-    # rate when the profile has one: a fetch now costs 5 CPU experts, so the CPU takes both.
+    # A CPU device copies banks straight into the pool: the staging ring's rate (which a
+    # CUDA profile has for banks beyond the pin budget) does not apply.
     write_profile(fetch_gbps=1.0, cpu_gbps=0.5, fetch_staged_gbps=0.1)
     report = run(ckpt, moe_backend="hybrid", moe_cache_size=8)[0].runner.moe_report()
-    assert report["hybrid_k"] == 0
+    assert report["hybrid_k"] == 2 and "staged" not in report["hybrid_k_source"]
+
+
+def test_staged_fetches_pay_their_host_copy_before_the_cpu_starts():
+    from freetoken.moe.plan import hybrid_fetch_count
+    rates = {"fetch_gbps": 1.0, "cpu_expert_gbps": 1.0, "cpu_expert_gflops": 1.0}
+    staged = ExpertCosts.of(rates, 10 ** 9, hidden=10, width=10, host_copy_gbps=4.0)
+    assert staged.stage_s == 0.5 and "staged: 500.000 ms" in staged.words()
+    assert ExpertCosts.of(rates, 10 ** 9, hidden=10, width=10).stage_s == 0.0
+    cpu = lambda rows: 1.0      # noqa: E731
+    # Pinned: 8 one-row misses split 4/4. Staged, each fetch first costs the engine thread
+    # half a CPU expert before the CPU work starts: j = 4 takes max(4, 2 + 4) = 6, j = 5
+    # max(5, 2.5 + 3) = 5.5, j = 6 max(6, 3 + 2) = 6.
+    assert hybrid_fetch_count([1] * 8, 1.0, cpu) == 4
+    assert hybrid_fetch_count([1] * 8, 1.0, cpu, serial_s=0.5) == 5
 
 
 @pytest.mark.parametrize("bad", ["threads", "corrupt", "old"])

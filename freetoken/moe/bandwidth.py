@@ -169,19 +169,25 @@ class ExpertCosts:
     cpu_s: float
     cpu_row_s: float
     source: str = ""
+    stage_s: float = 0.0     # engine-thread host copy per staged fetch (0: pinned, DMA only)
 
     @classmethod
     def of(cls, rates: dict[str, float], expert_bytes: int, hidden: int, width: int,
-           source: str = "") -> "ExpertCosts":
-        """From measured rates, at the overlapped ones (what a hybrid step sees) when there."""
+           source: str = "", host_copy_gbps: float | None = None) -> "ExpertCosts":
+        """From measured rates, at the overlapped ones (what a hybrid step sees) when there.
+        host_copy_gbps (read + write counted): the fetches are staged, and each one first
+        copies the expert on the engine thread at that rate."""
         fetch = rates.get("overlap_fetch_gbps") or rates["fetch_gbps"]
         cpu = rates.get("overlap_cpu_expert_gbps") or rates["cpu_expert_gbps"]
+        stage = 2 * expert_bytes / (host_copy_gbps * GB) if host_copy_gbps else 0.0
         return cls(expert_bytes / (fetch * GB), expert_bytes / (cpu * GB),
-                   6 * hidden * width / (rates["cpu_expert_gflops"] * GB), source)
+                   6 * hidden * width / (rates["cpu_expert_gflops"] * GB), source, stage)
 
     def cpu_cost(self, rows: int) -> float:
         return max(self.cpu_s, rows * self.cpu_row_s)
 
     def words(self) -> str:
-        return (f"fetch {self.fetch_s * 1e3:.3f} ms/expert, CPU {self.cpu_s * 1e3:.3f} ms/expert "
-                f"for one token and {self.cpu_row_s * 1e6:.2f} us more per token ({self.source})")
+        staged = f" (staged: {self.stage_s * 1e3:.3f} ms of it on the engine thread)" if self.stage_s else ""
+        return (f"fetch {self.fetch_s * 1e3:.3f} ms/expert{staged}, CPU {self.cpu_s * 1e3:.3f} "
+                f"ms/expert for one token and {self.cpu_row_s * 1e6:.2f} us more per token "
+                f"({self.source})")

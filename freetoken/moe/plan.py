@@ -167,30 +167,28 @@ def plan_moe(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, max_step_tokens
     return MoePlan(cfg.backend, backend, reason, cpu, cached, slots, min_slots, how, kv_tokens)
 
 
-def hybrid_k(top_k: int, fetch_s: float, cpu_s: float) -> int:
+def hybrid_k(top_k: int, fetch_s: float, cpu_s: float, serial_s: float = 0.0) -> int:
     """Misses to fetch in a decode step with top_k misses of one row each: hybrid's K, as
     reported and as the prefetch limit (hybrid_fetch_count picks each step's own split)."""
-    return hybrid_fetch_count([1] * top_k, fetch_s, lambda rows: cpu_s)
+    return hybrid_fetch_count([1] * top_k, fetch_s, lambda rows: cpu_s, serial_s)
 
 
-def hybrid_fetch_count(miss_rows: list[int], fetch_s: float, cpu_cost) -> int:
+def hybrid_fetch_count(miss_rows: list[int], fetch_s: float, cpu_cost,
+                       serial_s: float = 0.0) -> int:
     """How many of a hybrid step's misses to fetch: miss_rows are the rows (token, k pairs)
     of each missing expert, busiest first; the first j are fetched (j * fetch_s on the copy
     stream) while the CPU computes the rest (sum of cpu_cost(rows)), in parallel. Returns
     the j with the least max of the two, the largest such j on ties (fetching warms the
     cache). A prefill chunk's busy experts cost the CPU far more than a fetch, so they are
-    fetched.
-
-    Staged fetches (experts of layers beyond the pin budget) are priced at the ring's rate
-    as if they overlapped the CPU work, but their host memcpy runs on the engine thread
-    before the CPU experts start, so for those layers this fetches somewhat too many."""
+    fetched. serial_s: engine-thread time per fetched expert before the CPU work can start
+    (the host copy into the staging ring, for layers beyond the pin budget)."""
     m = len(miss_rows)
     cpu_rest = [0.0] * (m + 1)          # cpu_rest[j]: CPU time for misses j..m-1
     for i in range(m - 1, -1, -1):
         cpu_rest[i] = cpu_rest[i + 1] + cpu_cost(miss_rows[i])
-    best_j, best = m, m * fetch_s
+    best_j, best = m, m * max(fetch_s, serial_s)
     for j in range(m - 1, -1, -1):
-        cost = max(j * fetch_s, cpu_rest[j])
+        cost = max(j * fetch_s, j * serial_s + cpu_rest[j])
         if cost < best:
             best_j, best = j, cost
     return best_j

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 import triton_kernels as tk
-from freetoken.moe.bandwidth import ExpertBench, ExpertCosts
+from freetoken.moe.bandwidth import ExpertBench, ExpertCosts, host_copy_gbps
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.config import MoeConfig
 from freetoken.moe.cpu import cpu_moe, torch_threads
@@ -59,7 +59,7 @@ class MoeRuntime:
         self.next_cached = {a: b for a, b in zip(moe_layers, moe_layers[1:])
                             if b in plan.cache_layers and cfg.prefetch}
         self.hybrid_k, self.hybrid_k_source = None, None
-        self.costs: ExpertCosts | None = None
+        self.costs: dict[bool, ExpertCosts] = {}     # staged fetches? -> measured costs
         if plan.backend == "hybrid" and self.cache is not None:
             self._resolve_hybrid_k()
         elif plan.requested == "auto" and plan.backend == "offload" and self.cache is not None:
@@ -125,10 +125,11 @@ class MoeRuntime:
     def _fetch_budget(self, layer: int, needed: list[int], counts: list[int]) -> int:
         """Hybrid: misses to fetch this step. A fixed moe_hybrid_k, or from the measured
         costs and each miss's rows, so a prefill chunk's busy experts are not left to the CPU."""
-        if self.costs is None:
+        if not self.costs:
             return self.hybrid_k
+        c = self.costs[self._staged(layer)]
         rows = [counts[e] for e in needed if (layer, e) not in self.cache.slot_of]
-        return hybrid_fetch_count(rows, self.costs.fetch_s, self.costs.cpu_cost)
+        return hybrid_fetch_count(rows, c.fetch_s, c.cpu_cost, c.stage_s)
 
     def _kernel(self, layer, x, weights, ids) -> torch.Tensor:
         c = self.cache
@@ -168,48 +169,65 @@ class MoeRuntime:
             self.hybrid_k = min(self.cfg.hybrid_k, self.top_k)
             self.hybrid_k_source = f"moe_hybrid_k={self.cfg.hybrid_k}"
             return
-        self.costs = self.expert_costs()
-        self.hybrid_k = hybrid_k(self.top_k, self.costs.fetch_s, self.costs.cpu_s)
-        self.hybrid_k_source = self.costs.words()
+        self._measure_costs()
+        costs = self.costs[self._staged(self.plan.cache_layers[0])]
+        self.hybrid_k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s, costs.stage_s)
+        self.hybrid_k_source = costs.words()
 
     def _refine_auto(self) -> None:
         """auto resolved to offload (the experts do not fit): price a miss fetched against a
         miss computed on the CPU and take hybrid when the CPU should share the misses."""
-        costs = self.expert_costs()
-        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s)
+        self._measure_costs()
+        costs = self.costs[self._staged(self.plan.cache_layers[0])]
+        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s, costs.stage_s)
         if k >= self.top_k:
             reason = f"{self.plan.reason}; offload: {costs.words()}, so every miss is fetched"
             self.plan = dataclasses.replace(self.plan, reason=reason)
+            self.costs = {}
             return
         reason = (f"{self.plan.reason}; hybrid: {costs.words()}, so the CPU computes all but "
                   f"{k} of a decode step's misses per layer")
         self.plan = dataclasses.replace(self.plan, backend="hybrid", reason=reason)
         self.mode = {l: "hybrid" if m == "offload" else m for l, m in self.mode.items()}
-        self.costs, self.hybrid_k, self.hybrid_k_source = costs, k, costs.words()
+        self.hybrid_k, self.hybrid_k_source = k, costs.words()
 
-    def expert_costs(self) -> ExpertCosts:
-        """What fetching one expert and computing it on the CPU cost: this device's saved
-        profile (`ft bench bw`) when it was measured with the CPU thread count used here,
-        else a short calibration now."""
-        layer = self.plan.cache_layers[0]
+    def _staged(self, layer: int) -> bool:
+        """Whether the layer's fetches go through the staging ring (its bank is not pinned)."""
+        f = self.cache.fetcher
+        return f.force_staging or (f.is_cuda and not self.store.pinned[layer])
+
+    def _measure_costs(self) -> None:
+        """self.costs[staged] for each kind of cache layer there is: pinned, staged or both."""
+        kinds = {self._staged(l): l for l in reversed(self.plan.cache_layers)}
+        self.costs = {staged: self.expert_costs(layer, staged) for staged, layer in kinds.items()}
+
+    def expert_costs(self, layer: int, staged: bool) -> ExpertCosts:
+        """What fetching one of layer's experts and computing it on the CPU cost: this
+        device's saved profile (`ft bench bw`) when it was measured with the CPU thread count
+        used here, else a short calibration now. staged: fetches go through the ring, whose
+        host copy runs on the engine thread."""
         s = self.store
         threads = self.cfg.cpu_threads or torch.get_num_threads()
         key = device_key(self.device)
         profile = load_profile(key)
         if profile is not None and profile.get("cpu_threads") == threads:
             rates = dict(profile["experts"])
-            if not s.pinned[layer] and "fetch_staged_gbps" in rates:
+            if staged and "fetch_staged_gbps" in rates:
                 rates["fetch_gbps"] = rates.pop("fetch_staged_gbps")
                 rates.pop("overlap_fetch_gbps", None)     # measured from a pinned bank
+            copies = profile.get("host_copy_gbps", {})
+            host = (copies.get(str(threads)) or copies.get("1")) if staged else None
             return ExpertCosts.of(rates, s.expert_bytes, s.hidden, s.width,
-                                  f"profile {profile['path']} of {profile.get('measured_at')}")
+                                  f"profile {profile['path']} of {profile.get('measured_at')}",
+                                  host)
         why = ("no profile for " + key if profile is None else
                f"the profile was measured with {profile.get('cpu_threads')} CPU threads, not {threads}")
         # Slots 0..k-1 are scratch: nothing is mapped yet.
         bench = ExpertBench(s, layer, self.cache.w13_pool, self.cache.w2_pool, self.top_k,
-                            self.cfg.cpu_threads)
+                            self.cfg.cpu_threads, force_staging=staged)
+        host = host_copy_gbps(64 * 2**20, threads, CALIBRATION_S) if staged else None
         return ExpertCosts.of(bench.measure(CALIBRATION_S), s.expert_bytes, s.hidden, s.width,
-                              f"calibrated at startup ({why}; `ft bench bw` saves one)")
+                              f"calibrated at startup ({why}; `ft bench bw` saves one)", host)
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
