@@ -105,8 +105,8 @@ class MoeRuntime:
             self.cpu_experts[layer] += len(needed)
             return self._cpu(layer, x_h, w_h, ids_h, None).to(x.device)
 
-        res = self.cache.ensure(layer, needed,
-                                self._fetch_budget(layer, needed, counts) if mode == "hybrid" else None)
+        budget = self._fetch_budget(layer, needed, counts) if mode == "hybrid" else None
+        res = self.cache.ensure(layer, needed, budget)
         self.cache.wait()
         self._prefetch(nxt, guess_h, {(layer, e) for e in needed})
         on_device = res.hits + res.fetched
