@@ -15,15 +15,22 @@ PATHS = {"health": "/health", "stats": "/v1/stats", "models": "/v1/models",
          "instrumentation": "/v1/instrumentation"}
 
 
-def run(what: str, url: str, api_key: str | None, timeout: float = 10.0) -> int:
-    req = urllib.request.Request(url.rstrip("/") + PATHS[what])
+def http_get(url: str, api_key: str | None, timeout: float = 10.0) -> tuple[int, bytes]:
+    """(status, raw body) of a GET, the key sent as a bearer token; an error answer is returned
+    like any other, an unreachable server raises urllib.error.URLError or OSError."""
+    req = urllib.request.Request(url)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
+            return r.status, r.read()
     except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
+        return e.code, e.read()
+
+
+def run(what: str, url: str, api_key: str | None, timeout: float = 10.0) -> int:
+    try:
+        status, raw = http_get(url.rstrip("/") + PATHS[what], api_key, timeout)
     except (urllib.error.URLError, OSError) as e:
         print(f"ft ctl: cannot reach {url}: {getattr(e, 'reason', e)}", file=sys.stderr)
         return 2

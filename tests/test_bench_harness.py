@@ -27,16 +27,14 @@ import pytest
 
 from freetoken import bench_cli
 from serving import ServerProcess
+from tiny_fixtures import tiny_model_dir  # noqa: F401 - a fixture
 
 SMOKE = ["--warmups", "1", "--repetitions", "2"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from freetoken.demo.tiny_model import make_tiny_model
-    out = tmp_path_factory.mktemp("bench") / "tiny-qwen3"
-    make_tiny_model(out, family="qwen3_moe", seed=0, max_position_embeddings=2048)
-    return out
+def model_dir(tiny_model_dir):  # noqa: F811 - the imported fixture
+    return tiny_model_dir("qwen3_moe", seed=0, name="tiny-qwen3", max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")

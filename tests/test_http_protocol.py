@@ -81,6 +81,24 @@ def connect(router: Router, **config) -> tuple[HttpProtocol, FakeTransport]:
     return proto, transport
 
 
+def connect_to(handler, **config) -> tuple[HttpProtocol, FakeTransport]:
+    """A connection to a router whose one route, GET /, is `handler`."""
+    router = Router()
+    router.add("GET", "/", handler)
+    return connect(router, **config)
+
+
+def gated_handler():
+    """(handler, gate): the handler answers 200 {} once the gate (an asyncio.Event) is set."""
+    gate = asyncio.Event()
+
+    async def slow(request, response):
+        await gate.wait()
+        response.send_json(200, {})
+
+    return slow, gate
+
+
 async def settle(n: int = 5) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
@@ -231,15 +249,8 @@ def test_pipelined_requests_answered_in_order_one_at_a_time():
 
 def test_too_many_pipelined_requests_pause_reading():
     async def main():
-        router = Router()
-        gate = asyncio.Event()
-
-        async def slow(request, response):
-            await gate.wait()
-            response.send_json(200, {})
-
-        router.add("GET", "/", slow)
-        proto, t = connect(router, max_pipelined=2)
+        slow, gate = gated_handler()
+        proto, t = connect_to(slow, max_pipelined=2)
         proto.data_received(b"GET / HTTP/1.1\r\n\r\n" * 4)
         await settle()
         assert not t.reading
@@ -401,8 +412,6 @@ def test_exception_mid_stream_cuts_the_connection():
 # -- streaming, flow control, disconnects -------------------------------------------------
 def test_stream_framing_and_sse_headers():
     async def main():
-        router = Router()
-
         async def stream(request, response):
             response.start_stream(headers={"X-Request-Id": "r1"})
             await response.write(sse_event({"n": 1}))
@@ -412,9 +421,8 @@ def test_stream_framing_and_sse_headers():
             with pytest.raises(RuntimeError):
                 await response.write(b"late")
 
-        router.add("GET", "/s", stream)
-        proto, t = connect(router)
-        proto.data_received(b"GET /s HTTP/1.1\r\n\r\n")
+        proto, t = connect_to(stream)
+        proto.data_received(b"GET / HTTP/1.1\r\n\r\n")
         await settle()
         [(status, headers, body)] = responses(t.data)
         assert status == 200 and headers["transfer-encoding"] == "chunked"
@@ -427,16 +435,13 @@ def test_stream_framing_and_sse_headers():
 
 def test_http_10_stream_is_unframed_and_closes():
     async def main():
-        router = Router()
-
         async def stream(request, response):
             response.start_stream()
             await response.write(b"data: x\n\n")
             response.end_stream()
 
-        router.add("GET", "/s", stream)
-        proto, t = connect(router)
-        proto.data_received(b"GET /s HTTP/1.0\r\n\r\n")
+        proto, t = connect_to(stream)
+        proto.data_received(b"GET / HTTP/1.0\r\n\r\n")
         await settle()
         assert t.data.endswith(b"\r\n\r\ndata: x\n\n") and b"chunked" not in t.data and t.closing
     run(main())
@@ -444,7 +449,6 @@ def test_http_10_stream_is_unframed_and_closes():
 
 def test_write_waits_while_paused_and_resumes():
     async def main():
-        router = Router()
         progress = []
 
         async def stream(request, response):
@@ -454,11 +458,10 @@ def test_write_waits_while_paused_and_resumes():
                 progress.append(i)
             response.end_stream()
 
-        router.add("GET", "/s", stream)
-        proto, t = connect(router)
+        proto, t = connect_to(stream)
         proto.pause_writing()
         assert not t.reading                 # no new requests read while the client is not reading
-        proto.data_received(b"GET /s HTTP/1.1\r\n\r\n")   # already in the socket buffer
+        proto.data_received(b"GET / HTTP/1.1\r\n\r\n")   # already in the socket buffer
         await settle()
         assert progress == [] and len(t.writes) == 1     # headers only; write() is waiting
         proto.resume_writing()
@@ -469,7 +472,6 @@ def test_write_waits_while_paused_and_resumes():
 
 def test_disconnect_while_paused_wakes_writer_and_fires_callbacks():
     async def main():
-        router = Router()
         seen = {}
 
         async def stream(request, response):
@@ -485,9 +487,8 @@ def test_disconnect_while_paused_wakes_writer_and_fires_callbacks():
             response.on_disconnect(lambda: late.append(1))
             seen["late"] = late
 
-        router.add("GET", "/s", stream)
-        proto, t = connect(router)
-        proto.data_received(b"GET /s HTTP/1.1\r\n\r\n")
+        proto, t = connect_to(stream)
+        proto.data_received(b"GET / HTTP/1.1\r\n\r\n")
         proto.pause_writing()
         await settle()
         n_writes = len(t.writes)
@@ -501,7 +502,6 @@ def test_disconnect_while_paused_wakes_writer_and_fires_callbacks():
 
 def test_on_disconnect_not_fired_after_response_finished():
     async def main():
-        router = Router()
         fired = []
 
         async def ok(request, response):
@@ -509,8 +509,7 @@ def test_on_disconnect_not_fired_after_response_finished():
             response.send_json(200, {})
             assert await response.wait_disconnected() is False
 
-        router.add("GET", "/", ok)
-        proto, t = connect(router)
+        proto, t = connect_to(ok)
         proto.data_received(b"GET / HTTP/1.1\r\n\r\n")
         await settle()
         proto.connection_lost(None)
@@ -532,14 +531,11 @@ def test_idle_keep_alive_timeout_closes():
 
 def test_timer_does_not_close_a_busy_connection():
     async def main():
-        router = Router()
-
         async def slow(request, response):
             await asyncio.sleep(0.15)
             response.send_json(200, {})
 
-        router.add("GET", "/", slow)
-        proto, t = connect(router, keep_alive_timeout_s=0.1)
+        proto, t = connect_to(slow, keep_alive_timeout_s=0.1)
         proto.data_received(b"GET / HTTP/1.1\r\n\r\n")
         await asyncio.sleep(0.18)      # past the 0.1 s timeout; the handler ran 0.15 s of it
         assert responses(t.data)[0][0] == 200 and not t.closing
@@ -550,16 +546,9 @@ def test_timer_does_not_close_a_busy_connection():
 
 def test_begin_drain_closes_idle_and_busy_after_response():
     async def main():
-        router = Router()
-        gate = asyncio.Event()
-
-        async def slow(request, response):
-            await gate.wait()
-            response.send_json(200, {})
-
-        router.add("GET", "/", slow)
-        idle, t_idle = connect(router)
-        busy, t_busy = connect(router)
+        slow, gate = gated_handler()
+        idle, t_idle = connect_to(slow)
+        busy, t_busy = connect_to(slow)
         busy.data_received(b"GET / HTTP/1.1\r\n\r\n")
         await settle()
         idle.begin_drain()

@@ -97,12 +97,28 @@ def serve(client, loop: str = "uvloop", **config):
         return runner.run(main())
 
 
+def send_raw(port: int, data: bytes) -> socket.socket:
+    """A new connection to the server with `data` already sent on it."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(data)
+    return s
+
+
 def recv_all(sock: socket.socket, timeout: float = 5) -> bytes:
     sock.settimeout(timeout)
     data = b""
     while chunk := sock.recv(65536):
         data += chunk
     return data
+
+
+def wait_until(done, timeout: float = 3) -> bool:
+    """Poll done() every 10 ms (from the client's thread) until it is true or `timeout` s pass;
+    returns its last value."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done()
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
@@ -132,12 +148,11 @@ def test_keep_alive_http_client_and_errors(loop):
 
 def test_raw_pipelining_chunked_upload_and_connection_close():
     def client(app, port):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(b"GET /hello?name=a HTTP/1.1\r\nHost: x\r\n\r\n"
-                  b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                  b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
-                  b"GET /stream?n=2 HTTP/1.1\r\nHost: x\r\n\r\n"
-                  b"GET /hello?name=b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        s = send_raw(port, b"GET /hello?name=a HTTP/1.1\r\nHost: x\r\n\r\n"
+                           b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                           b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+                           b"GET /stream?n=2 HTTP/1.1\r\nHost: x\r\n\r\n"
+                           b"GET /hello?name=b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         return recv_all(s)
 
     _, data = serve(client)
@@ -163,9 +178,7 @@ def test_sse_stream_with_http_client():
 
 def test_expect_100_continue_over_a_socket():
     def client(app, port):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.settimeout(5)
-        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        s = send_raw(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
         interim = s.recv(100)
         s.sendall(b"hello")
         time.sleep(0.05)
@@ -197,8 +210,7 @@ def test_malformed_and_oversized_headers_close_the_connection():
         out = []
         for raw in (b"GARBAGE\x00\x01 / HTTP/9\r\n\r\n",
                     b"GET /hello HTTP/1.1\r\nX-Big: " + b"v" * 5000 + b"\r\n\r\n"):
-            s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(raw)
+            s = send_raw(port, raw)
             out.append(recv_all(s))     # returns: the server closed
             s.close()
         return out
@@ -210,8 +222,7 @@ def test_malformed_and_oversized_headers_close_the_connection():
 
 def test_idle_keep_alive_connection_is_closed():
     def client(app, port):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.sendall(b"GET /hello HTTP/1.1\r\n\r\n")
+        s = send_raw(port, b"GET /hello HTTP/1.1\r\n\r\n")
         t0 = time.monotonic()
         data = recv_all(s)
         return data, time.monotonic() - t0
@@ -237,9 +248,7 @@ def test_slow_reader_does_not_stall_other_streams():
         time.sleep(0.1)
         written_while_stalled = (stalled_at, app.chunks_written.get("slow", 0))
         slow.close()
-        deadline = time.monotonic() + 3
-        while "slow" not in app.disconnects and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: "slow" in app.disconnects)
         return body, fast_s, written_while_stalled
 
     app, (body, fast_s, written) = serve(client)
@@ -252,15 +261,10 @@ def test_slow_reader_does_not_stall_other_streams():
 
 def test_client_disconnect_mid_stream_fires_callback():
     def client(app, port):
-        s = socket.create_connection(("127.0.0.1", port))
-        s.settimeout(5)
-        s.sendall(b"GET /forever HTTP/1.1\r\n\r\n")
+        s = send_raw(port, b"GET /forever HTTP/1.1\r\n\r\n")
         first = s.recv(4096)
         s.close()
-        deadline = time.monotonic() + 3
-        while not app.stream_gone.is_set() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return first, app.stream_gone.is_set()
+        return first, wait_until(app.stream_gone.is_set)
 
     app, (first, ended) = serve(client)
     assert first.startswith(b"HTTP/1.1 200") and ended and app.disconnects == ["forever"]
@@ -280,14 +284,10 @@ def test_graceful_shutdown(loop):
             return r.read()
 
         def endless_stream():
-            s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(b"GET /forever HTTP/1.1\r\n\r\n")
-            return recv_all(s)
+            return recv_all(send_raw(port, b"GET /forever HTTP/1.1\r\n\r\n"))
 
         def idle_keep_alive():
-            s = socket.create_connection(("127.0.0.1", port))
-            s.sendall(b"GET /hello HTTP/1.1\r\n\r\n")
-            return recv_all(s)
+            return recv_all(send_raw(port, b"GET /hello HTTP/1.1\r\n\r\n"))
 
         finishing = asyncio.create_task(asyncio.to_thread(finishing_stream))
         endless = asyncio.create_task(asyncio.to_thread(endless_stream))

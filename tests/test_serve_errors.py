@@ -10,16 +10,14 @@ import openai
 import pytest
 
 from serving import ServerProcess
+from tiny_fixtures import tiny_model_dir  # noqa: F401 - a fixture
 
 KEY = "sk-err-key"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from freetoken.demo.tiny_model import make_tiny_model
-    out = tmp_path_factory.mktemp("serve-err") / "tiny"
-    make_tiny_model(out, family="qwen3_moe", seed=1, max_position_embeddings=256)
-    return out
+def model_dir(tiny_model_dir):  # noqa: F811 - the imported fixture
+    return tiny_model_dir("qwen3_moe", seed=1, name="tiny", max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")

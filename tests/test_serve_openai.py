@@ -11,20 +11,14 @@ import openai
 import pytest
 
 from serving import ServerProcess
+from tiny_fixtures import tiny_model_dir  # noqa: F401 - a fixture
 
 KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from freetoken.demo.tiny_model import make_tiny_model
-    out = tmp_path_factory.mktemp("serve") / "tiny-qwen3"
-    make_tiny_model(out, family="qwen3_moe", seed=0, max_position_embeddings=1024)
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
+def server(tiny_model_dir):  # noqa: F811 - the imported fixture
+    model_dir = tiny_model_dir("qwen3_moe", seed=0, name="tiny-qwen3", max_position_embeddings=1024)
     with ServerProcess(model_dir, "--max-prefill-length", "64", api_key=KEY) as s:
         yield s
 

@@ -3,7 +3,7 @@ generate (arms.py, transformers_arm.py), a raw-socket SSE client (client.py), pr
 the precommitted protocol and its execution (plan.py, runner.py), validity verdicts
 (validity.py) and the artifacts: generations.jsonl, run.json, SUMMARY.md (summary.py).
 
-Imports the standard library only (torch and transformers lazily, for the in-process
-baseline); never freetoken's server, scheduler or engine: the system under test is reached
-over HTTP, as a user's client reaches it.
+Imports the standard library (torch and transformers lazily, for the in-process baseline)
+and, from freetoken, only `ft ctl`'s http_get; never freetoken's server, scheduler or engine:
+the system under test is reached over HTTP, as a user's client reaches it.
 """

@@ -3,7 +3,7 @@
 `stream()` POSTs one streaming request and stamps every read with time.perf_counter() as the
 bytes arrive, before any parsing; the SSE events are then decoded (HTTP/1.1 chunked, length
 framed or close framed) and each event that carries generated text keeps its read's stamp.
-`get_json()` is the plain (urllib) request for the metadata routes.
+`get_json()` is the plain (urllib) request for the metadata routes, `ft ctl`'s http_get.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import ssl
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
+
+from freetoken.ctl import http_get
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -60,14 +61,8 @@ class StreamResult:
 
 def get_json(base: str, path: str, api_key: str | None, timeout: float = 10.0) -> tuple[int | None, object]:
     """(status, parsed body) of a GET; status None and the reason when unreachable."""
-    req = urllib.request.Request(base + path)
-    if api_key:
-        req.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
+        status, raw = http_get(base + path, api_key, timeout)
     except (urllib.error.URLError, OSError) as e:
         return None, str(getattr(e, "reason", e))
     try:

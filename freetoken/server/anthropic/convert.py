@@ -17,7 +17,7 @@ from __future__ import annotations
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.server.generation import ChatRequest
 from freetoken.server.model_meta import EFFORTS
-from freetoken.server.openai.params import bad, get_dict, get_int, get_number
+from freetoken.server.openai.params import bad, get_dict, get_int, sampling_fields, sampling_params
 from freetoken.server.tools import check_tool_choice, check_tools
 
 
@@ -35,15 +35,8 @@ def parse_messages_body(body: dict, *, count_only: bool = False) -> ChatRequest:
     stop = body.get("stop_sequences")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise bad("stop_sequences", "'stop_sequences' must be a list of non-empty strings")
-    try:
-        params = SamplingParams(
-            max_tokens=get_int(body, "max_tokens", None, 1),
-            temperature=get_number(body, "temperature", 1.0, 0.0, 1.0),
-            top_p=get_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-            top_k=get_int(body, "top_k", -1, -1),
-            stop=stop)
-    except ValueError as e:
-        raise bad(getattr(e, "param", None), str(e)) from None
+    params = sampling_params(max_tokens=get_int(body, "max_tokens", None, 1),
+                             **sampling_fields(body, max_temperature=1.0), stop=stop)
     return ChatRequest(messages, params, tools, choice, effort)
 
 

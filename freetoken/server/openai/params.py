@@ -58,6 +58,23 @@ def get_dict(body: dict, name: str) -> dict:
     return value
 
 
+def sampling_fields(body: dict, max_temperature: float) -> dict:
+    """temperature, top_p and top_k, which every dialect takes (temperature up to 2 in OpenAI's
+    APIs, up to 1 in Anthropic's), validated in that order."""
+    return {"temperature": get_number(body, "temperature", 1.0, 0.0, max_temperature),
+            # top_p 0 (the top token only) is allowed here; SamplingParams wants it above 0
+            "top_p": get_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+            "top_k": get_int(body, "top_k", -1, -1)}
+
+
+def sampling_params(**fields) -> SamplingParams:
+    """SamplingParams(**fields); a value it refuses is a 400 naming the parameter."""
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise bad(getattr(e, "param", None), str(e)) from None
+
+
 @dataclasses.dataclass
 class GenerationOptions:
     params: SamplingParams
@@ -105,21 +122,16 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationOptions:
     include_usage = get_bool(stream_options, "include_usage", False)
     if stream_options and not stream:
         raise bad("stream_options", "'stream_options' is only allowed with 'stream': true")
-    try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=get_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-            top_k=get_int(body, "top_k", -1, -1),
-            min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
-            seed=get_int(body, "seed", None, -(2**63), 2**63 - 1),
-            stop=stop, stop_token_ids=stop_ids,
-            ignore_eos=get_bool(body, "ignore_eos", False),
-            min_tokens=get_int(body, "min_tokens", 0, 0),
-            logprobs=logprobs,
-            skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-        )
-    except ValueError as e:
-        raise bad(getattr(e, "param", None), str(e)) from None
+    params = sampling_params(
+        max_tokens=max_tokens,
+        **sampling_fields(body, max_temperature=2.0),
+        min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=get_int(body, "seed", None, -(2**63), 2**63 - 1),
+        stop=stop, stop_token_ids=stop_ids,
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        min_tokens=get_int(body, "min_tokens", 0, 0),
+        logprobs=logprobs,
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+    )
     return GenerationOptions(params, stream, include_usage)

@@ -9,9 +9,8 @@ become `tool` messages, as a chat template expects them.
 
 from __future__ import annotations
 
-from freetoken.engine.sampling_params import SamplingParams
 from freetoken.server.generation import ChatRequest
-from freetoken.server.openai.params import bad, get_bool, get_dict, get_int, get_number
+from freetoken.server.openai.params import bad, get_bool, get_dict, get_int, sampling_fields, sampling_params
 from freetoken.server.tools import check_tool_choice, check_tools
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -33,15 +32,9 @@ def parse_responses_body(body: dict, parse_effort) -> tuple[ChatRequest, bool]:
     messages = input_messages(body.get("input"), body.get("instructions"))
     tools = check_tools(_chat_tools(body.get("tools")))
     reasoning = get_dict(body, "reasoning")
-    try:
-        params = SamplingParams(
-            max_tokens=get_int(body, "max_output_tokens", None, 1),
-            temperature=get_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=get_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-            top_k=get_int(body, "top_k", -1, -1),
-            seed=get_int(body, "seed", None, -(2**63), 2**63 - 1))
-    except ValueError as e:
-        raise bad(getattr(e, "param", None), str(e)) from None
+    params = sampling_params(max_tokens=get_int(body, "max_output_tokens", None, 1),
+                             **sampling_fields(body, max_temperature=2.0),
+                             seed=get_int(body, "seed", None, -(2**63), 2**63 - 1))
     req = ChatRequest(messages, params, tools, _tool_choice(body.get("tool_choice", "auto"), tools),
                       parse_effort(reasoning.get("effort"), "reasoning.effort"),
                       get_dict(body, "chat_template_kwargs"))
