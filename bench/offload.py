@@ -54,21 +54,6 @@ def pinned_h2d_gbps(device) -> float | None:
     return 5 * src.numel() / (time.perf_counter() - t0) / 1e9
 
 
-def skew_router(model_dir: Path, seed: int = 0) -> None:
-    """Rewrite every router (mlp.gate.weight) with Zipf-like row scales (see the docstring)."""
-    from safetensors.torch import load_file, save_file
-    g = torch.Generator().manual_seed(seed)
-    for f in sorted(model_dir.glob("*.safetensors")):
-        tensors = load_file(f)
-        for k, t in tensors.items():
-            if k.endswith("mlp.gate.weight"):
-                order = torch.randperm(t.shape[0], generator=g)
-                ranks = torch.empty(t.shape[0])
-                ranks[order] = torch.arange(1, t.shape[0] + 1, dtype=torch.float32)
-                tensors[k] = (t.float() * (1 + 2 / ranks.pow(0.8))[:, None]).to(t.dtype)
-        save_file(tensors, f, metadata={"format": "pt"})
-
-
 def _counters(llm) -> dict:
     return llm.runner.moe_report()["counters"] or {} if llm.runner.moe is not None else {}
 
@@ -179,7 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    from freetoken.demo.tiny_model import make_tiny_model
+    from freetoken.demo.tiny_model import make_tiny_model, skew_routers
 
     device = torch.device(args.device)
     ceiling = pinned_h2d_gbps(device)
@@ -195,7 +180,7 @@ def main(argv=None) -> int:
         report["active_expert_bytes_per_token"] = expert_bytes * shape["top_k"] * shape["num_layers"]
         for routing in ("uniform", "skewed"):
             if routing == "skewed":
-                skew_router(model_dir)
+                skew_routers(model_dir)
             arms = ([freetoken_arm(model_dir, args, "resident", dict(moe_backend="resident"))]
                     if routing == "uniform" else [])
             arms += [freetoken_arm(model_dir, args, n, kw) for n, kw in OFFLOAD_ARMS]

@@ -82,7 +82,8 @@ def _add_moe_flags(s) -> None:
     size.add_argument("--moe-cache-size", type=_positive_int, metavar="SLOTS", help="GPU expert cache slots")
     size.add_argument("--moe-cache-rate", type=float, metavar="FRAC", help="GPU expert cache as a fraction of all experts")
     size.add_argument("--moe-cache-auto", action="store_true", help="size the cache from free GPU memory (default)")
-    g.add_argument("--moe-cache-policy", choices=POLICIES, default="lru")
+    g.add_argument("--moe-cache-policy", choices=POLICIES, default="lfu-decay",
+                   help="what the expert cache evicts (bench/cache_policy.py compares them)")
     g.add_argument("--moe-cpu-layers", type=cpu_layers, metavar="IDS|COUNT|FRACTION",
                    help="compute these layers' experts on the CPU (0,3,5 | 4 | 0.25)")
     g.add_argument("--moe-cpu-threads", type=_positive_int, metavar="N")

@@ -46,7 +46,7 @@ class LLM:
                  max_running_requests: int = 64, block_size: int = 16,
                  kernel_backend: str = "auto", moe_backend: str = "auto",
                  moe_cache_size: int | None = None, moe_cache_rate: float | None = None,
-                 moe_cache_policy: str = "lru", moe_cpu_layers=None,
+                 moe_cache_policy: str = "lfu-decay", moe_cpu_layers=None,
                  moe_cpu_threads: int | None = None, moe_hybrid_k: int | None = None,
                  pin_budget_gb: float | None = None, kv_reserve_tokens: int = 8192,
                  moe_prefetch: bool = True):

@@ -253,5 +253,23 @@ def write_safetensors(out: Path, tensors: dict, max_shard_mb: float | None) -> N
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
 
+def skew_routers(model_dir, seed: int = 0) -> None:
+    """Rewrite every router (mlp.gate.weight) of a checkpoint in place so expert popularity is
+    skewed: row e scaled by 1 + 2 / rank(e)**0.8 over a random expert order per layer (a
+    Zipf-like law). Random weights otherwise route almost uniformly, where no cache policy
+    can beat another; the benches use this for their "skewed" routing."""
+    from safetensors.torch import load_file
+    g = torch.Generator().manual_seed(seed)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(f)
+        for k, t in tensors.items():
+            if k.endswith("mlp.gate.weight"):
+                order = torch.randperm(t.shape[0], generator=g)
+                ranks = torch.empty(t.shape[0])
+                ranks[order] = torch.arange(1, t.shape[0] + 1, dtype=torch.float32)
+                tensors[k] = (t.float() * (1 + 2 / ranks.pow(0.8))[:, None]).to(t.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

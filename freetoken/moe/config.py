@@ -38,8 +38,8 @@ class MoeConfig:
     backend: str = "auto"
     cache_size: int | None = None       # slots of the GPU expert cache
     cache_rate: float | None = None     # ... or a fraction of all offloaded experts
-    cache_policy: str = "lru"           # lru | lfu-decay
-    lfu_decay: float = 0.8              # lfu-decay: counts are multiplied by this every step
+    cache_policy: str = "lfu-decay"     # lru | lfu-decay (bench/cache_policy.py)
+    lfu_decay: float = 0.9              # lfu-decay: counts are multiplied by this every step
     cpu_layers: CpuLayers = None        # offload/hybrid: these layers' experts run on the CPU
     cpu_threads: int | None = None      # torch threads for CPU experts (None: torch's setting)
     hybrid_k: int | None = None         # hybrid: misses fetched per layer and step (None: measured)

@@ -7,11 +7,16 @@ out experts that were really used), dropped (`remove`) and when a forward step b
 one in `protected` (the experts the current layer's step uses), or None if all are protected.
 
   lru        evict the least recently used key.
-  lfu-decay  a placed key starts at count 0 (so a cold insert needs nothing more); every
-             use adds 1 to a key's count and every step multiplies all counts by
-             `decay`; evict the lowest count, ties to the least recently used. Counts are
-             kept as count * decay**-step (one global rescale, not a pass over every key per
-             step) in a heap with lazy deletion, so both calls are O(log n).
+  lfu-decay  every use adds 1 to a key's count and every step multiplies all counts by
+             `decay`; evict the cached key with the lowest count, ties to the least recently
+             used. Counts outlive eviction: an expert that comes back starts from its decayed
+             count, one never used from 0 (so a cold insert needs nothing more). Forgetting
+             them on eviction made a popular expert that was once pushed out the next victim,
+             and when a step's experts exceed the cache (batch 8 at a 25% cache) it thrashed
+             like LRU: bench/cache_policy.py measures both. The table holds at most every
+             (layer, expert) pair. Counts are kept as count * decay**-step (one global
+             rescale, not a pass over every key per step); the cached keys sit in a heap with
+             lazy deletion, so every call is O(log n).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class LFUDecayPolicy:
         self.decay = decay
         self._unit = 1.0                  # what one use adds now: decay ** -steps
         self._raw: dict[Key, float] = {}  # count * decay ** -step
+        self._cached: set[Key] = set()
         self._stamp: dict[Key, int] = {}  # last use, for ties
         self._clock = itertools.count()
         self._heap: list[tuple[float, int, Key]] = []
@@ -71,7 +77,8 @@ class LFUDecayPolicy:
             self._rebuild()
 
     def insert(self, key: Key, cold: bool = False) -> None:
-        self._raw[key] = 0.0
+        self._raw.setdefault(key, 0.0)      # an expert seen before comes back with its count
+        self._cached.add(key)
         self._stamp[key] = next(self._clock)
         self._push(key)
 
@@ -81,7 +88,7 @@ class LFUDecayPolicy:
         self._push(key)
 
     def remove(self, key: Key) -> None:
-        del self._raw[key], self._stamp[key]
+        self._cached.discard(key)           # its count stays: see the module docstring
 
     def score(self, key: Key) -> float:
         """The decayed count of key now."""
@@ -92,7 +99,7 @@ class LFUDecayPolicy:
         while self._heap:
             entry = heapq.heappop(self._heap)
             raw, stamp, key = entry
-            if self._raw.get(key) != raw or self._stamp.get(key) != stamp:
+            if key not in self._cached or self._raw[key] != raw or self._stamp[key] != stamp:
                 continue                          # stale: the key was used or removed since
             if key in protected:
                 held.append(entry)
@@ -106,15 +113,15 @@ class LFUDecayPolicy:
 
     def _push(self, key: Key) -> None:
         heapq.heappush(self._heap, (self._raw[key], self._stamp[key], key))
-        if len(self._heap) > 4 * len(self._raw) + 64:
+        if len(self._heap) > 4 * len(self._cached) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [(r, self._stamp[k], k) for k, r in self._raw.items()]
+        self._heap = [(self._raw[k], self._stamp[k], k) for k in self._cached]
         heapq.heapify(self._heap)
 
 
-def make_policy(name: str, decay: float = 0.8):
+def make_policy(name: str, decay: float = 0.9):
     if name == "lru":
         return LRUPolicy()
     if name == "lfu-decay":

@@ -36,6 +36,7 @@ from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
 from freetoken.moe.profile import load_profile
 from freetoken.moe.store import ExpertStore
+from freetoken.moe.trace import RoutingTrace
 from freetoken.utils.device import device_key
 
 CALIBRATION_S = 0.1     # per measured rate, four rates: about half a second at startup
@@ -65,6 +66,7 @@ class MoeRuntime:
         elif plan.requested == "auto" and plan.backend == "offload" and self.cache is not None:
             self._refine_auto()
         self._guesses: dict[int, set[int]] = {}
+        self.trace: RoutingTrace | None = None      # set one to record the routing
         self.num_steps = 0
         self.prefetch_guessed = 0
         self.prefetch_used = 0
@@ -99,6 +101,8 @@ class MoeRuntime:
         # Distinct experts, busiest first: hybrid fetches the ones with the most rows.
         counts = torch.bincount(ids_h.reshape(-1), minlength=self.store.num_experts).tolist()
         needed = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e))
+        if self.trace is not None:
+            self.trace.record(self.num_steps, layer, needed, self._guesses.get(layer), ids_h.shape[0])
         self._score_guess(layer, needed)
         if mode == "cpu":
             self._prefetch(nxt, guess_h, set())
