@@ -176,6 +176,26 @@ def test_lfu_decay_ties_go_to_the_least_recent_and_counts_survive_rescaling():
     assert p.victim(set()) in {(0, 0), (0, 1)}
 
 
+def test_lfu_decay_counts_the_uses_hybrid_ran_on_the_cpu():
+    """A miss left to the CPU is still a use: when it is fetched later it carries that count,
+    so it outlives an expert that was cached but used less."""
+    store = make_store(num_layers=1, num_experts=8)
+    cache = ExpertCache(store, store.layers, 2, LFUDecayPolicy(0.9), "cpu")
+    for _ in range(3):
+        cache.begin_step()
+        assert cache.ensure(0, [5], max_fetch=0).skipped == [5]
+    assert cache.policy.score((0, 5)) == pytest.approx(1 + 0.9 + 0.81)
+    for needed in ([0, 1], [1]):
+        cache.begin_step()
+        cache.ensure(0, needed)
+    cache.begin_step()
+    assert cache.ensure(0, [5]).evicted == [(0, 0)]     # fetched now, with its history
+    cache.begin_step()
+    # 1 (used twice, 1.54) goes, 5 (2.68) stays; counting only cached uses, 5 would be 0.9.
+    assert cache.ensure(0, [2]).evicted == [(0, 1)]
+    assert (0, 5) in cache.slot_of
+
+
 # -- startup arithmetic --------------------------------------------------------------------------
 SHAPE = MoeShape(moe_layers=(0, 1, 2, 3), num_experts=16, top_k=4, expert_bytes=64 * MiB,
                  dense_bytes=2 * GiB, kv_bytes_per_token=64 * 1024)   # experts: 4 GiB in all

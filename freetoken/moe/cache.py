@@ -83,6 +83,7 @@ class ExpertCache:
                 self.policy.touch(key)
                 result.hits.append(e)
             elif max_fetch is not None and len(result.fetched) >= max_fetch:
+                self.policy.used_elsewhere(key)       # run on the CPU: still a use to count
                 result.skipped.append(e)
             else:
                 slot = self._take_slot(protected, result.evicted)

@@ -1,6 +1,7 @@
 """Replacement policies of the GPU expert cache. Keys are (layer, expert).
 
-The cache tells a policy when a key is used (`touch`), placed (`insert`; a prefetch places
+The cache tells a policy when a key is used (`touch`; `used_elsewhere` when a step used an
+expert it did not cache, e.g. one hybrid ran on the CPU), placed (`insert`; a prefetch places
 keys `cold`: not used yet, so a wrong guess is the first thing evicted instead of pushing
 out experts that were really used), dropped (`remove`) and when a forward step begins
 (`advance`); `victim(protected)` names the key to evict, never
@@ -45,6 +46,9 @@ class LRUPolicy:
     def touch(self, key: Key) -> None:
         self._order.move_to_end(key)
 
+    def used_elsewhere(self, key: Key) -> None:
+        pass                              # recency of an uncached key: nothing to keep
+
     def remove(self, key: Key) -> None:
         del self._order[key]
 
@@ -86,6 +90,9 @@ class LFUDecayPolicy:
         self._raw[key] += self._unit
         self._stamp[key] = next(self._clock)
         self._push(key)
+
+    def used_elsewhere(self, key: Key) -> None:
+        self._raw[key] = self._raw.get(key, 0.0) + self._unit    # not cached: no heap entry
 
     def remove(self, key: Key) -> None:
         self._cached.discard(key)           # its count stays: see the module docstring
