@@ -10,8 +10,9 @@ on the spot with random weights. The expert cache holds --cache-rate of all expe
 Random weights route almost uniformly, where no policy can beat another, so every arm also
 runs a "skewed" variant: router rows scaled by 1 + 2 / rank^0.8 over a random expert order
 (a Zipf-like popularity; consecutive tokens share much of their hidden state, which makes the
-choices temporally correlated). Arms: resident; offload with plain LRU (no prefetch), LRU and
-lfu-decay (both with prefetch); hybrid and auto (which read `ft bench bw`'s profile, else
+choices temporally correlated). Arms: resident; offload with plain LRU (no prefetch), with
+lfu-decay prefetching every guess, and with the defaults (lfu-decay, prefetch as many guesses as
+the link carries while the GPU computes); hybrid and auto (which read `ft bench bw`'s profile, else
 calibrate); transformers resident and accelerate offload. Decode is measured apart from
 prefill (a run of 1 + N tokens minus a run of 1). Printed per arm at batch 1 and 8: tokens/s,
 hit rate, prefetch accuracy, bytes fetched per token, achieved fetch GB/s (copy-stream busy
@@ -86,16 +87,20 @@ def decode_run(llm, batch: int, tokens: int) -> dict:
         out.update(hit_rate=hits / lookups if lookups else None,
                    prefetch_accuracy=(cn["prefetch_used"] - c1["prefetch_used"]) / guessed if guessed else None,
                    fetched_bytes_per_token=fetched / (batch * tokens),
+                   prefetched_per_token=(cn["prefetch_fetched"] - c1["prefetch_fetched"]) / (batch * tokens),
+                   prefetch_dropped_per_token=(cn["prefetch_dropped"] - c1["prefetch_dropped"]) / (batch * tokens),
                    fetch_gbps=cn["fetch_gbps"],                   # copy-stream busy time
                    fetch_gbps_wall=fetched / seconds / 1e9,
                    cpu_experts_per_token=(cn["cpu_experts"] - c1["cpu_experts"]) / (batch * tokens))
     return out
 
 
-# (arm name, LLM kwargs): "plain LRU" is the cache everyone has, without our prefetch.
+# (arm name, LLM kwargs): "plain LRU" is the cache everyone has, without our prefetch;
+# prefetch-all against the default (auto) says whether the window limit pays.
 OFFLOAD_ARMS = [
-    ("offload-lru-noprefetch", dict(moe_backend="offload", moe_cache_policy="lru", moe_prefetch=False)),
-    ("offload-lru", dict(moe_backend="offload", moe_cache_policy="lru")),
+    ("offload-lru-noprefetch", dict(moe_backend="offload", moe_cache_policy="lru", moe_prefetch="off")),
+    ("offload-lfu-decay-prefetch-all", dict(moe_backend="offload", moe_cache_policy="lfu-decay",
+                                            moe_prefetch="all")),
     ("offload-lfu-decay", dict(moe_backend="offload", moe_cache_policy="lfu-decay")),
 ]
 OTHER_ARMS = [
@@ -117,6 +122,10 @@ def freetoken_arm(model_dir, args, name, kw) -> dict:
     if llm.runner.moe is not None:
         out["cache"] = report["cache"]
         out["backend"], out["hybrid_k"], out["reason"] = report["backend"], report["hybrid_k"], report["reason"]
+        windows = [p["prefetch_window_us"] for p in report["counters"]["per_layer"]
+                   if p["prefetch_window_us"] is not None]
+        if windows:     # auto prefetch: the link's idle time per layer it measured (after batch 8)
+            out["prefetch_window_us"] = sum(windows) / len(windows)
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

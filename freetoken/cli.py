@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_moe_flags(s) -> None:
-    from freetoken.moe.config import BACKENDS, POLICIES, parse_cpu_layers
+    from freetoken.moe.config import BACKENDS, POLICIES, PREFETCH, parse_cpu_layers
 
     def cpu_layers(text):
         try:
@@ -93,8 +93,13 @@ def _add_moe_flags(s) -> None:
                    help="host RAM to page-lock for experts (also FREETOKEN_PIN_BUDGET_GB)")
     g.add_argument("--kv-reserve-tokens", type=_positive_int, default=8192, metavar="N",
                    help="KV tokens to keep free when sizing the expert cache")
-    g.add_argument("--no-moe-prefetch", dest="moe_prefetch", action="store_false",
-                   help="do not guess and fetch the next layer's experts ahead (a baseline)")
+    g.add_argument("--moe-prefetch", choices=PREFETCH, default="auto",
+                   help="fetch the next layer's likely experts ahead: auto = as many as the link "
+                        "carries while the GPU computes, all = every guess, off = none")
+    g.add_argument("--no-moe-prefetch", dest="moe_prefetch", action="store_const", const="off",
+                   help="the same as --moe-prefetch off (a baseline)")
+    g.add_argument("--moe-lfu-decay", type=float, default=0.9, metavar="D",
+                   help="lfu-decay: every step multiplies each expert's use count by D (0 < D <= 1)")
 
 
 def _moe_config(args):
@@ -105,7 +110,8 @@ def _moe_config(args):
                      cache_rate=args.moe_cache_rate, cache_policy=args.moe_cache_policy,
                      cpu_layers=args.moe_cpu_layers, cpu_threads=args.moe_cpu_threads,
                      hybrid_k=args.moe_hybrid_k, pin_budget_gb=pin,
-                     kv_reserve_tokens=args.kv_reserve_tokens, prefetch=args.moe_prefetch)
+                     kv_reserve_tokens=args.kv_reserve_tokens, prefetch=args.moe_prefetch,
+                     lfu_decay=args.moe_lfu_decay)
 
 
 def _resolve_device(args) -> str:

@@ -85,7 +85,7 @@ def test_a_recorded_trace_replays_to_the_engines_counters(tmp_path, policy):
                             moe_intermediate_size=32)
     skew_routers(model)
     llm = LLM(str(model), skip_tokenizer_init=True, moe_backend="offload", moe_cache_size=20,
-              moe_cache_policy=policy, max_prefill_length=16)
+              moe_cache_policy=policy, max_prefill_length=16, moe_prefetch="all")
     moe = llm.runner.moe
     moe.trace = RoutingTrace(tuple(sorted(moe.mode)), 16, 4)
     # Chunked prefill and decode steps of two sequences, sampled (greedy random models loop).

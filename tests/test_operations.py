@@ -115,6 +115,6 @@ def test_offload_flags_reach_the_engine(model_dir):
     assert metrics[("freetoken_expert_bytes_fetched_total", ())] > 0
     moe = inst["moe"]
     assert moe["backend"] == "offload" and moe["policy"] == "lfu-decay"
-    assert moe["prefetch"] is False and moe["counters"]["prefetch_guessed"] == 0
+    assert moe["prefetch"] == "off" and moe["counters"]["prefetch_guessed"] == 0
     assert moe["counters"]["fetch_gbps"] > 0
     assert moe["counters"]["lookups"] == moe["counters"]["hits"] + moe["counters"]["misses"] > 0

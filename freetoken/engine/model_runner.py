@@ -107,9 +107,9 @@ class ModelRunner:
                            self.dtype, pin=self.device.type == "cuda", pin_budget_bytes=budget)
 
     def _moe_runtime(self, blocks) -> MoeRuntime:
-        # Prefetch guesses: a layer's router on the previous layer's hidden state; softmax is
-        # monotonic, so the top-k of the logits are the experts it would pick.
-        routers = {i: (lambda x, b=b: b.gate(x).topk(b.top_k, dim=-1).indices)
+        # Prefetch guesses: a layer's router on the previous layer's hidden state ->
+        # (probabilities [T, k], expert ids [T, k]); the probabilities rank the guesses.
+        routers = {i: (lambda x, b=b: tuple(b.gate(x).float().softmax(-1).topk(b.top_k, dim=-1)))
                    for i, b in blocks.items()}
         runtime = MoeRuntime(self.moe_plan, self.config.moe, self.expert_store, self.device,
                              routers, self.model_config.num_experts_per_tok)

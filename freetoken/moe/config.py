@@ -13,6 +13,9 @@ import dataclasses
 
 BACKENDS = ("auto", "resident", "offload", "cpu", "hybrid")
 POLICIES = ("lru", "lfu-decay")
+# auto: as many of the guesses as the link can carry while the GPU computes (overlap.py);
+# all: every guess; off: none.
+PREFETCH = ("auto", "all", "off")
 
 # moe_cpu_layers: explicit MoE layer ids, a count of MoE layers (the first ones, as
 # llama.cpp's --n-cpu-moe), or a fraction of them.
@@ -45,11 +48,13 @@ class MoeConfig:
     hybrid_k: int | None = None         # hybrid: misses fetched per layer and step (None: measured)
     pin_budget_gb: float | None = None  # host bytes to page-lock for experts (None: 60% of free RAM)
     kv_reserve_tokens: int = 8192       # auto cache sizing leaves the KV cache this many tokens
-    prefetch: bool = True               # guess layer L+1's experts from layer L's hidden state
+    prefetch: str = "auto"              # guess layer L+1's experts from layer L's state: PREFETCH
 
     def __post_init__(self):
         if isinstance(self.cpu_layers, list):
             object.__setattr__(self, "cpu_layers", tuple(self.cpu_layers))
+        if isinstance(self.prefetch, bool):       # moe_prefetch=True/False reads as on/off
+            object.__setattr__(self, "prefetch", "auto" if self.prefetch else "off")
         self.validate()
 
     def validate(self) -> None:
@@ -64,8 +69,10 @@ class MoeConfig:
             raise ValueError(f"moe_cache_size must be a positive number of slots, got {self.cache_size!r}")
         if self.cache_rate is not None and not 0.0 < float(self.cache_rate) <= 1.0:
             raise ValueError(f"moe_cache_rate must be in (0, 1], got {self.cache_rate!r}")
+        if self.prefetch not in PREFETCH:
+            raise ValueError(f"moe_prefetch must be one of {', '.join(PREFETCH)}, got {self.prefetch!r}")
         if not 0.0 < self.lfu_decay <= 1.0:
-            raise ValueError(f"lfu_decay must be in (0, 1], got {self.lfu_decay!r}")
+            raise ValueError(f"moe_lfu_decay must be in (0, 1], got {self.lfu_decay!r}")
         _check_cpu_layers(self.cpu_layers)
         if self.cpu_threads is not None and (not _is_int(self.cpu_threads) or self.cpu_threads < 1):
             raise ValueError(f"moe_cpu_threads must be a positive integer, got {self.cpu_threads!r}")

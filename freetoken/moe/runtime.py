@@ -6,7 +6,9 @@ Per layer and step (the router has already picked ids [T, k] and weights [T, k])
   2. one device -> host copy of ids, the guess (and x, weights for CPU work), one sync;
   3. cache layers: ensure the experts resident (misses go out as one batch on the copy
      stream), make the compute stream wait for that batch, start prefetching the guess for
-     the next layer (its copies overlap this layer's kernel), then
+     the next layer, most likely first (its copies overlap this layer's kernel; under
+     moe_prefetch=auto only as many as overlap.py measures the link can carry before the
+     next layer's own misses go out), then
      tk.fused_moe(x, w13_pool, w2_pool, weights, ids, slot_map);
      hybrid: only some misses are fetched (the busiest; how many from the measured costs
      and each miss's rows, or a fixed moe_hybrid_k), the others run on the CPU while the
@@ -31,6 +33,7 @@ import triton_kernels as tk
 from freetoken.moe.bandwidth import ExpertBench, ExpertCosts, host_copy_gbps
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.config import MoeConfig
+from freetoken.moe.overlap import PrefetchWindow
 from freetoken.moe.cpu import cpu_moe, torch_threads
 from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
@@ -58,18 +61,21 @@ class MoeRuntime:
         self.mode = {l: "cpu" if l in plan.cpu_layers else plan.backend for l in moe_layers}
         # Prefetch targets the next MoE layer, when the cache serves it.
         self.next_cached = {a: b for a, b in zip(moe_layers, moe_layers[1:])
-                            if b in plan.cache_layers and cfg.prefetch}
+                            if b in plan.cache_layers and cfg.prefetch != "off"}
+        self.window = (PrefetchWindow(self.device)
+                       if self.next_cached and cfg.prefetch == "auto" else None)
         self.hybrid_k, self.hybrid_k_source = None, None
         self.costs: dict[bool, ExpertCosts] = {}     # staged fetches? -> measured costs
         if plan.backend == "hybrid" and self.cache is not None:
             self._resolve_hybrid_k()
         elif plan.requested == "auto" and plan.backend == "offload" and self.cache is not None:
             self._refine_auto()
-        self._guesses: dict[int, set[int]] = {}
+        self._guesses: dict[int, list[int]] = {}     # layer -> its guess, most likely first
         self.trace: RoutingTrace | None = None      # set one to record the routing
         self.num_steps = 0
         self.prefetch_guessed = 0
         self.prefetch_used = 0
+        self.prefetch_dropped = 0      # guesses left out: the window was full or no slot was free
         self.cpu_experts = {l: 0 for l in moe_layers}
 
     def layer_fn(self, layer: int):
@@ -84,7 +90,7 @@ class MoeRuntime:
 
     def reset_counters(self) -> None:
         """Zero the live counters (e.g. after warmup); the cache keeps its contents."""
-        self.num_steps = self.prefetch_guessed = self.prefetch_used = 0
+        self.num_steps = self.prefetch_guessed = self.prefetch_used = self.prefetch_dropped = 0
         self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
         if self.cache is not None:
             self.cache.reset_counters()
@@ -94,10 +100,11 @@ class MoeRuntime:
                   ids: torch.Tensor) -> torch.Tensor:
         mode = self.mode[layer]
         nxt = self.next_cached.get(layer)
-        guess = self.routers[nxt](x) if nxt is not None else None
+        guess_w, guess = self.routers[nxt](x) if nxt is not None else (None, None)
         cpu_work = mode in ("cpu", "hybrid")
-        ids_h, guess_h, x_h, w_h = self._to_host(ids, guess, x if cpu_work else None,
-                                                 weights if cpu_work else None)
+        ids_h, guess_h, guess_w_h, x_h, w_h = self._to_host(
+            ids, guess, guess_w, x if cpu_work else None, weights if cpu_work else None)
+        guessed = None if nxt is None else self._rank(guess_h, guess_w_h)
         # Distinct experts, busiest first: hybrid fetches the ones with the most rows.
         counts = torch.bincount(ids_h.reshape(-1), minlength=self.store.num_experts).tolist()
         needed = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e))
@@ -105,14 +112,16 @@ class MoeRuntime:
             self.trace.record(self.num_steps, layer, needed, self._guesses.get(layer), ids_h.shape[0])
         self._score_guess(layer, needed)
         if mode == "cpu":
-            self._prefetch(nxt, guess_h, set())
+            self._prefetch(nxt, guessed, set())
             self.cpu_experts[layer] += len(needed)
             return self._cpu(layer, x_h, w_h, ids_h, None).to(x.device)
 
         budget = self._fetch_budget(layer, needed, counts) if mode == "hybrid" else None
+        if self.window is not None:
+            self.window.closed(layer)
         res = self.cache.ensure(layer, needed, budget)
         self.cache.wait()
-        self._prefetch(nxt, guess_h, {(layer, e) for e in needed})
+        self._prefetch(nxt, guessed, {(layer, e) for e in needed})
         on_device = res.hits + res.fetched
         if not res.skipped:
             return self._kernel(layer, x, weights, ids)
@@ -144,19 +153,39 @@ class MoeRuntime:
         with torch_threads(self.cfg.cpu_threads):
             return cpu_moe(x_h, w13, w2, w_h, ids_h, experts)
 
-    def _prefetch(self, nxt, guess_h, protected) -> None:
+    def _rank(self, guess_h: torch.Tensor, guess_w_h: torch.Tensor) -> list[int]:
+        """The guessed experts [T, k], most likely first: by router probability summed over
+        the tokens that picked them."""
+        flat = guess_h.reshape(-1)
+        score = torch.zeros(self.store.num_experts, dtype=torch.float64).index_add_(
+            0, flat, guess_w_h.reshape(-1).double()).tolist()
+        return sorted(torch.unique(flat).tolist(), key=lambda e: (-score[e], e))
+
+    def _prefetch(self, nxt, guessed: list[int] | None, protected) -> None:
         if nxt is None:
             return
-        guessed = torch.unique(guess_h).tolist()
-        self._guesses[nxt] = set(guessed)
+        self._guesses[nxt] = guessed
         limit = self.hybrid_k if self.mode[nxt] == "hybrid" else None
-        self.cache.prefetch(nxt, guessed, protected, limit)
+        done = self.cache.fetcher.last_done        # the copies this prefetch queues behind
+        if self.window is not None:
+            fit = self.window.count(nxt, self._copy_s())
+            limit = fit if limit is None else limit if fit is None else min(limit, fit)
+        missing = sum((nxt, e) not in self.cache.slot_of for e in guessed)
+        moved = self.cache.prefetch(nxt, guessed, protected, limit)
+        self.prefetch_dropped += missing - len(moved)
+        if self.window is not None:
+            self.window.opened(nxt, done)
+
+    def _copy_s(self) -> float | None:
+        """Seconds the copy stream takes for one expert, at the rate it achieved so far."""
+        gbps = self.cache.fetcher.achieved_gbps()
+        return self.store.expert_bytes / (gbps * 1e9) if gbps else None
 
     def _score_guess(self, layer: int, needed: list[int]) -> None:
         guessed = self._guesses.pop(layer, None)
         if guessed is not None:
             self.prefetch_guessed += len(guessed)
-            self.prefetch_used += len(guessed.intersection(needed))
+            self.prefetch_used += len(set(guessed).intersection(needed))
 
     def _to_host(self, *tensors):
         """Host copies of the given device tensors (None passes through), one sync for all."""
@@ -236,10 +265,13 @@ class MoeRuntime:
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
         c, s = self.cache, self.store
+        window = self.window.window_s if self.window is not None else {}
         per_layer = [{"layer": l, "mode": self.mode[l],
                       "hits": c.hits.get(l, 0) if c else 0,
                       "misses": c.misses.get(l, 0) if c else 0,
-                      "cpu_experts": self.cpu_experts[l]} for l in sorted(self.mode)]
+                      "cpu_experts": self.cpu_experts[l],
+                      "prefetch_window_us": window[l] * 1e6 if l in window else None}
+                     for l in sorted(self.mode)]
         lookups = c.num_lookups if c else 0
         hits = sum(c.hits.values()) if c else 0
         return {
@@ -254,7 +286,7 @@ class MoeRuntime:
             "cpu_layers": list(self.plan.cpu_layers),
             "cpu_threads": self.cfg.cpu_threads or torch.get_num_threads(),
             "hybrid_k": self.hybrid_k, "hybrid_k_source": self.hybrid_k_source,
-            "prefetch": bool(self.next_cached),
+            "prefetch": self.cfg.prefetch if self.next_cached else "off",
             "counters": {
                 "steps": self.num_steps, "lookups": lookups, "hits": hits,
                 "misses": lookups - hits, "hit_rate": hits / lookups if lookups else None,
@@ -264,6 +296,7 @@ class MoeRuntime:
                 "evictions": c.num_evictions if c else 0,
                 "prefetch_fetched": c.num_prefetched if c else 0,
                 "prefetch_guessed": self.prefetch_guessed, "prefetch_used": self.prefetch_used,
+                "prefetch_dropped": self.prefetch_dropped,
                 "prefetch_accuracy": (self.prefetch_used / self.prefetch_guessed
                                       if self.prefetch_guessed else None),
                 "cpu_experts": sum(self.cpu_experts.values()),

@@ -5,7 +5,8 @@
         .experts                 the layer's distinct experts in that step, busiest first
                                  (the order the cache's `ensure` sees them)
         .guess                   the experts the previous MoE layer's prefetch guessed for this
-                                 layer (sorted), or None when nothing guessed (the first layer)
+                                 layer, most likely first (the order prefetch tries them), or
+                                 None when nothing guessed (the first layer)
 
 A live engine records one when `MoeRuntime.trace` is a RoutingTrace (bench/cache_policy.py
 does this on a model with skewed routers); `synthetic_trace` draws one from a stated
@@ -49,7 +50,7 @@ class RoutingTrace:
             self.steps.append(Step(rows))
             self._step_id = step_id
         self.steps[-1].routes.append(LayerRoute(layer, list(experts),
-                                                None if guess is None else sorted(guess)))
+                                                None if guess is None else list(guess)))
 
     @property
     def num_tokens(self) -> int:
@@ -113,5 +114,5 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, b
                 guess.update(e if rng.random() < guess_accuracy else draw(layer) for e in picks)
             counts = {e: rows.count(e) for e in set(rows)}
             experts = sorted(counts, key=lambda e: (-counts[e], e))
-            trace.record(t, layer, experts, guess if layer else None, batch)
+            trace.record(t, layer, experts, sorted(guess) if layer else None, batch)
     return trace
