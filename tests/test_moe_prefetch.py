@@ -2,6 +2,8 @@
 guesses by router probability, and the runtime honouring the window and the three modes
 end to end on a tiny model (outputs never change: prefetch only moves copies earlier)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,35 +11,42 @@ from freetoken import LLM, SamplingParams
 from freetoken.demo.tiny_model import make_tiny_model
 from freetoken.moe.config import MoeConfig
 from freetoken.moe.overlap import PrefetchWindow
+from freetoken.moe.runtime import MoeRuntime
 
 
 class HandClock(PrefetchWindow):
-    """A CPU window whose stamps are the given times."""
+    """A CPU window whose clock reads the given times, one per reading."""
     def __init__(self, times):
         super().__init__(torch.device("cpu"))
         self.times = list(times)
 
-    def stamp(self):
+    def _now(self):
         return self.times.pop(0)
 
 
-def test_the_window_is_the_idle_link_time_before_the_demand_fetch():
-    # Prefetch enqueued at 0.0 behind copies busy until 0.25; the next layer's misses go out
-    # at 1.0: the link was free for 0.75 s, three copies of 0.25 s.
-    w = HandClock([0.0, 1.0, 5.0, 5.25, 9.0, 9.5])
-    assert w.count(3, 0.25) is None                  # nothing measured: no limit
-    w.opened(3, copies_done=0.25)
-    w.closed(3)
-    assert w.window_s[3] == 0.75
-    assert w.count(3, 0.25) == 3 and w.count(3, None) is None
-    w.opened(3, copies_done=None)                    # copy stream idle: 0.25 s free
-    w.closed(3)
-    assert w.window_s[3] == pytest.approx(0.75 + 0.3 * (0.25 - 0.75))    # the EMA
-    w.opened(3, copies_done=9.8)                     # copies outlast the demand: no window
-    w.closed(3)
-    assert w.window_s[3] == pytest.approx(0.6 + 0.3 * (0.0 - 0.6))
-    w.closed(4)                                      # a layer nobody prefetched for
-    assert 4 not in w.window_s
+def test_the_window_is_compute_time_plus_the_host_gap_before_the_demand_fetch():
+    # Layer 3's prefetch enqueued, compute from 0.0; layer 3 routed at 0.5, the host synced at
+    # 0.625 and enqueues layer 3's misses at 0.875: a 0.75 s window, three copies of 0.25 s.
+    w = HandClock([0.0, 0.5, 0.625, 0.875,    # decode step (1 row)
+                   2.0, 2.25, 2.25, 2.25,     # next decode step: 0.25 s
+                   5.0, 9.0, 9.0, 9.0])       # a 100-row prefill chunk: 4 s, its own average
+
+    def one_window(rows):
+        w.started(3)
+        w.routed(3)
+        w.synced(3)
+        w.closed(3, rows)
+
+    assert w.count(3, 1, 0.25) is None                # nothing measured: no limit
+    one_window(1)
+    assert w.window_s[(3, 1)] == 0.75 and w.count(3, 1, 0.25) == 3
+    one_window(1)
+    one_window(100)
+    assert w.window_s[(3, 1)] == pytest.approx(0.75 + 0.3 * (0.25 - 0.75))    # the EMA
+    assert w.window_s[(3, 7)] == 4.0 and w.count(3, 64, 0.25) == 16 and w.count(3, 1, None) is None
+    assert w.latest_s[3] == 4.0
+    w.closed(4, 1)                                    # a layer nobody prefetched for
+    assert not any(layer == 4 for layer, _ in w.window_s)
 
 
 def test_moe_prefetch_is_validated_and_booleans_read_as_on_off():
@@ -59,12 +68,12 @@ def run(model, **kw):
     return [o.outputs[0].token_ids for o in outs], llm.runner.moe
 
 
-def test_guesses_are_ranked_by_summed_router_probability(model):
-    _, moe = run(model, moe_prefetch="all")
+def test_guesses_are_ranked_by_summed_router_probability():
+    runtime = SimpleNamespace(store=SimpleNamespace(num_experts=16))
     ids = torch.tensor([[3, 9], [9, 1], [7, 3]])
     probs = torch.tensor([[0.5, 0.1], [0.3, 0.2], [0.35, 0.05]])
     # 3: 0.55, 9: 0.4, 7: 0.35, 1: 0.2
-    assert moe._rank(ids, probs) == [3, 9, 7, 1]
+    assert MoeRuntime._rank(runtime, ids, probs) == [3, 9, 7, 1]
 
 
 def test_modes_change_the_copies_not_the_tokens(model):
@@ -84,9 +93,29 @@ def test_modes_change_the_copies_not_the_tokens(model):
     assert windows[0] is None and all(w is not None and w >= 0 for w in windows[1:])
 
 
-def test_a_window_too_short_for_one_copy_prefetches_nothing(model, monkeypatch):
-    monkeypatch.setattr(PrefetchWindow, "count", lambda self, layer, copy_s: 0)
+@pytest.mark.parametrize("fit", [0, 1])
+def test_prefetch_stays_within_the_window(model, monkeypatch, fit):
+    monkeypatch.setattr(PrefetchWindow, "count", lambda self, layer, rows, copy_s: fit)
     tokens, moe = run(model)
     c = moe.report()["counters"]
-    assert c["prefetch_guessed"] > 0 and c["prefetch_fetched"] == 0 and c["prefetch_dropped"] > 0
+    prefetching_layers = len(moe.next_cached)
+    assert c["prefetch_guessed"] > 0 and c["prefetch_dropped"] > 0
+    assert 0 < c["prefetch_fetched"] <= fit * c["steps"] * prefetching_layers if fit else \
+        c["prefetch_fetched"] == 0
     assert tokens == run(model, moe_prefetch="off")[0]
+
+
+@pytest.mark.parametrize("fit,limit", [(1, 1), (3, 2)])
+def test_hybrid_prefetches_no_more_than_its_k_or_the_window(model, monkeypatch, fit, limit):
+    monkeypatch.setattr(PrefetchWindow, "count", lambda self, layer, rows, copy_s: fit)
+    llm = LLM(model, skip_tokenizer_init=True, moe_backend="hybrid", moe_cache_size=24, moe_hybrid_k=2)
+    cache = llm.runner.moe.cache
+    limits, prefetch = [], cache.prefetch
+
+    def recording_prefetch(layer, experts, protected, limit=None):
+        limits.append(limit)
+        return prefetch(layer, experts, protected, limit)
+
+    cache.prefetch = recording_prefetch
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert limits and set(limits) == {limit}          # min(K = 2, what the window holds)

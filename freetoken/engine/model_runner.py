@@ -128,7 +128,7 @@ class ModelRunner:
                   "kv_reserve_tokens": p.kv_tokens}
         if self.moe is None:
             return {**report, "policy": None, "cache": None, "host": None, "cpu_layers": [],
-                    "hybrid_k": None, "prefetch": False, "counters": None}
+                    "hybrid_k": None, "prefetch": "off", "counters": None}
         return {**report, **self.moe.report()}
 
     def _num_kv_blocks(self, layers) -> int:

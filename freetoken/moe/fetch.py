@@ -38,8 +38,7 @@ class ExpertFetcher:
         self.is_cuda = self.device.type == "cuda"
         self.force_staging = force_staging
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self.event = None            # recorded after the latest batch, until the compute stream waits
-        self.last_done = None        # when the copies enqueued so far end: that event, or (CPU) a time
+        self.event = None            # recorded after the latest batch
         self._ring: list[_StagingBuffer] = []
         self._next = 0
         self.num_experts_copied = 0
@@ -68,12 +67,10 @@ class ExpertFetcher:
                 self.event = torch.cuda.Event(enable_timing=True)
                 self.event.record(self.stream)
             self._timed.append((start, self.event, nbytes))
-            self.last_done = self.event
         else:
             t0 = time.perf_counter()
             self._copy(w13, w2, moves, staged)
-            self.last_done = time.perf_counter()
-            self.busy_s += self.last_done - t0
+            self.busy_s += time.perf_counter() - t0
             self.timed_bytes += nbytes
         self.num_experts_copied += len(moves)
         self.bytes_copied += nbytes

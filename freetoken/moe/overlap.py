@@ -9,22 +9,26 @@ when it was right (it only replaces a copy the demand fetch would have made). So
 the runtime prefetches the guesses most likely to be used, as many as fit:
 
     count(L+1) = floor(window(L+1) / copy time of one expert)
-    window(L+1) = EMA over steps of  t(demand of L+1 enqueued)
-                                     - max(t(prefetch enqueued), t(copies queued before it done))
+    window(L+1) = GPU time from "layer L's experts may run" (its misses have landed) to
+                  "layer L+1's router is done" (events on the compute stream)
+                + host time from the sync for L+1's routing to L+1's demand fetch
     copy time = expert bytes / the fetcher's achieved rate (copy-stream busy time)
 
-At batch 1 on a fast GPU the window is a fraction of one copy, so little is prefetched; when
-the GPU computes longer (bigger batches, long contexts, CPU layers) more is.
+Neither term depends on how much was prefetched, so the count does not feed back on itself.
+Windows are kept per layer and per size of step (rows rounded to a power of two): a prefill
+chunk computes far longer than a decode step, and one average of both would prefetch
+everything in decode. At batch 1 on a fast GPU the window is a fraction of one copy, so
+little is prefetched; when the GPU computes longer (big batches, CPU layers) more is.
 
-Timestamps: on CUDA an event recorded on a stream that runs nothing else stamps the moment
-the host enqueues it, on the GPU's clock, comparable with the copy stream's events. They are
-read once complete, a step later, so nothing waits. On the CPU copies are synchronous and
-perf_counter stamps the same points, so the same code runs in CI.
+The start is stamped after the prefetch is enqueued, so the host time that takes is not
+counted as compute. On CUDA both events are complete once the host has synced for L+1's
+routing, so reading them never waits. On the CPU perf_counter stamps the same points (copies
+are synchronous there, and a CPU computes slowly, so the window holds most guesses), and CI
+runs the same logic.
 """
 
 from __future__ import annotations
 
-import collections
 import time
 
 import torch
@@ -32,50 +36,63 @@ import torch
 SMOOTHING = 0.3       # EMA weight of the newest window
 
 
+def rows_bucket(rows: int) -> int:
+    """Steps of 1, 2-3, 4-7, ... rows share a window."""
+    return max(1, rows).bit_length()
+
+
 class PrefetchWindow:
     def __init__(self, device: torch.device):
+        self.device = device
         self.is_cuda = device.type == "cuda"
-        self._marker = torch.cuda.Stream(device) if self.is_cuda else None
-        self.window_s: dict[int, float] = {}          # layer -> EMA of its window, seconds
-        self._open: dict[int, tuple] = {}              # layer -> (prefetch stamp, copies-done stamp)
-        self._pending: collections.deque = collections.deque()   # (layer, issue, done, demand)
+        self.window_s: dict[tuple[int, int], float] = {}    # (layer, rows bucket) -> EMA seconds
+        self.latest_s: dict[int, float] = {}                 # layer -> its latest EMA (reports)
+        self._start: dict[int, object] = {}
+        self._routed: dict[int, object] = {}
+        self._synced: dict[int, float] = {}
 
-    def stamp(self):
-        if not self.is_cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(self._marker)
-        return ev
+    def started(self, layer: int) -> None:
+        """The experts of the layer before `layer` may run now (their misses are waited for),
+        and `layer`'s prefetch is about to be enqueued."""
+        self._start[layer] = self._stamp()
 
-    def opened(self, layer: int, copies_done) -> None:
-        """The prefetch for `layer` was just enqueued; copies_done: the copy stream's event
-        after the copies queued before it (None: none pending), or its perf_counter time."""
-        self._open[layer] = (self.stamp(), copies_done)
+    def routed(self, layer: int) -> None:
+        """`layer`'s router output is enqueued; the host syncs for it next."""
+        if layer in self._start:
+            self._routed[layer] = self._stamp()
 
-    def closed(self, layer: int) -> None:
-        """The host is about to enqueue `layer`'s demand fetch."""
-        opened = self._open.pop(layer, None)
-        if opened is not None:
-            self._pending.append((layer, *opened, self.stamp()))
-        self._drain()
+    def synced(self, layer: int) -> None:
+        if layer in self._routed:
+            self._synced[layer] = self._now()
 
-    def count(self, layer: int, copy_s: float | None) -> int | None:
-        """Experts that fit in layer's window; None (no limit) until both are measured."""
-        window = self.window_s.get(layer)
+    def closed(self, layer: int, rows: int) -> None:
+        """The host is about to enqueue `layer`'s demand fetch: the window is complete."""
+        start, routed = self._start.pop(layer, None), self._routed.pop(layer, None)
+        synced = self._synced.pop(layer, None)
+        if start is None or routed is None or synced is None:
+            return
+        gpu = routed - start if not self.is_cuda else start.elapsed_time(routed) / 1e3
+        window = max(0.0, gpu) + (self._now() - synced)
+        key = (layer, rows_bucket(rows))
+        old = self.window_s.get(key)
+        self.window_s[key] = window if old is None else old + SMOOTHING * (window - old)
+        self.latest_s[layer] = self.window_s[key]
+
+    def count(self, layer: int, rows: int, copy_s: float | None) -> int | None:
+        """Experts that fit in layer's window for a step of `rows`; None (no limit) until both
+        are measured."""
+        window = self.window_s.get((layer, rows_bucket(rows)))
         if window is None or not copy_s:
             return None
         return int(window / copy_s)
 
-    def _drain(self) -> None:
-        while self._pending and self._complete(self._pending[0]):
-            layer, issue, done, demand = self._pending.popleft()
-            busy_after_issue = 0.0 if done is None else max(0.0, self._elapsed(issue, done))
-            window = max(0.0, self._elapsed(issue, demand) - busy_after_issue)
-            old = self.window_s.get(layer)
-            self.window_s[layer] = window if old is None else old + SMOOTHING * (window - old)
+    def _now(self) -> float:
+        return time.perf_counter()
 
-    def _complete(self, entry) -> bool:
-        return not self.is_cuda or all(e.query() for e in entry[1:] if e is not None)
-
-    def _elapsed(self, a, b) -> float:
-        return b - a if not self.is_cuda else a.elapsed_time(b) / 1e3
+    def _stamp(self):
+        """A point on the compute stream: a timing event on CUDA, the host clock elsewhere."""
+        if not self.is_cuda:
+            return self._now()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev

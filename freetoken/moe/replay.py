@@ -2,9 +2,12 @@
 
 `replay` drives ExpertCache exactly as MoeRuntime does under the offload backend: per step
 `begin_step`, then per layer `ensure(layer, experts)` and, when prefetch is on, `prefetch` of
-the next layer's recorded guess, protecting this layer's experts. The store behind it holds
-one-element experts, so a replay of thousands of steps costs only the cache's own logic; a
-trace recorded from a live engine replays to the same hits and fetches that engine counted.
+the next layer's whole recorded guess (moe_prefetch=all), protecting this layer's experts. The
+store behind it holds one-element experts, so a replay of thousands of steps costs only the
+cache's own logic. A trace recorded from a live engine under offload with moe_prefetch=all
+(or off, replayed with prefetch=False) replays to the same hits and fetches that engine
+counted; the window limit of moe_prefetch=auto, CPU layers and hybrid's CPU misses are not
+modelled.
 
 `belady_fetches` is the fewest fetches any cache of that many slots can do on the trace
 (Belady's MIN: on a miss evict the resident expert whose next use is furthest away, never one

@@ -73,9 +73,10 @@ class MoeRuntime:
         self._guesses: dict[int, list[int]] = {}     # layer -> its guess, most likely first
         self.trace: RoutingTrace | None = None      # set one to record the routing
         self.num_steps = 0
+        self._step_serial = 0          # never reset: tells a trace's steps apart
         self.prefetch_guessed = 0
         self.prefetch_used = 0
-        self.prefetch_dropped = 0      # guesses left out: the window was full or no slot was free
+        self.prefetch_dropped = 0      # guesses left out: the window or hybrid's K was full, or no slot free
         self.cpu_experts = {l: 0 for l in moe_layers}
 
     def layer_fn(self, layer: int):
@@ -84,6 +85,7 @@ class MoeRuntime:
 
     def begin_step(self) -> None:
         self.num_steps += 1
+        self._step_serial += 1
         self._guesses.clear()
         if self.cache is not None:
             self.cache.begin_step()
@@ -102,26 +104,31 @@ class MoeRuntime:
         nxt = self.next_cached.get(layer)
         guess_w, guess = self.routers[nxt](x) if nxt is not None else (None, None)
         cpu_work = mode in ("cpu", "hybrid")
+        rows = ids.shape[0]
+        if self.window is not None:
+            self.window.routed(layer)
         ids_h, guess_h, guess_w_h, x_h, w_h = self._to_host(
             ids, guess, guess_w, x if cpu_work else None, weights if cpu_work else None)
+        if self.window is not None:
+            self.window.synced(layer)
         guessed = None if nxt is None else self._rank(guess_h, guess_w_h)
         # Distinct experts, busiest first: hybrid fetches the ones with the most rows.
         counts = torch.bincount(ids_h.reshape(-1), minlength=self.store.num_experts).tolist()
         needed = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e))
         if self.trace is not None:
-            self.trace.record(self.num_steps, layer, needed, self._guesses.get(layer), ids_h.shape[0])
+            self.trace.record(self._step_serial, layer, needed, self._guesses.get(layer), rows)
         self._score_guess(layer, needed)
         if mode == "cpu":
-            self._prefetch(nxt, guessed, set())
+            self._prefetch(nxt, guessed, set(), rows)
             self.cpu_experts[layer] += len(needed)
             return self._cpu(layer, x_h, w_h, ids_h, None).to(x.device)
 
         budget = self._fetch_budget(layer, needed, counts) if mode == "hybrid" else None
         if self.window is not None:
-            self.window.closed(layer)
+            self.window.closed(layer, rows)
         res = self.cache.ensure(layer, needed, budget)
         self.cache.wait()
-        self._prefetch(nxt, guessed, {(layer, e) for e in needed})
+        self._prefetch(nxt, guessed, {(layer, e) for e in needed}, rows)
         on_device = res.hits + res.fetched
         if not res.skipped:
             return self._kernel(layer, x, weights, ids)
@@ -161,20 +168,20 @@ class MoeRuntime:
             0, flat, guess_w_h.reshape(-1).double()).tolist()
         return sorted(torch.unique(flat).tolist(), key=lambda e: (-score[e], e))
 
-    def _prefetch(self, nxt, guessed: list[int] | None, protected) -> None:
+    def _prefetch(self, nxt, guessed: list[int] | None, protected, rows: int) -> None:
         if nxt is None:
             return
         self._guesses[nxt] = guessed
         limit = self.hybrid_k if self.mode[nxt] == "hybrid" else None
-        done = self.cache.fetcher.last_done        # the copies this prefetch queues behind
         if self.window is not None:
-            fit = self.window.count(nxt, self._copy_s())
+            fit = self.window.count(nxt, rows, self._copy_s())
             limit = fit if limit is None else limit if fit is None else min(limit, fit)
         missing = sum((nxt, e) not in self.cache.slot_of for e in guessed)
         moved = self.cache.prefetch(nxt, guessed, protected, limit)
         self.prefetch_dropped += missing - len(moved)
         if self.window is not None:
-            self.window.opened(nxt, done)
+            # After the enqueue: the host time it took is not time the GPU computes.
+            self.window.started(nxt)
 
     def _copy_s(self) -> float | None:
         """Seconds the copy stream takes for one expert, at the rate it achieved so far."""
@@ -265,7 +272,7 @@ class MoeRuntime:
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
         c, s = self.cache, self.store
-        window = self.window.window_s if self.window is not None else {}
+        window = self.window.latest_s if self.window is not None else {}
         per_layer = [{"layer": l, "mode": self.mode[l],
                       "hits": c.hits.get(l, 0) if c else 0,
                       "misses": c.misses.get(l, 0) if c else 0,
