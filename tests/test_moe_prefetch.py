@@ -11,7 +11,7 @@ from freetoken import LLM, SamplingParams
 from freetoken.demo.tiny_model import make_tiny_model
 from freetoken.moe.config import MoeConfig
 from freetoken.moe.overlap import PrefetchWindow
-from freetoken.moe.runtime import MoeRuntime
+from freetoken.moe.runtime import MoeRuntime, expert_rows
 
 
 class HandClock(PrefetchWindow):
@@ -74,6 +74,19 @@ def test_guesses_are_ranked_by_summed_router_probability():
     probs = torch.tensor([[0.5, 0.1], [0.3, 0.2], [0.35, 0.05]])
     # 3: 0.55, 9: 0.4, 7: 0.35, 1: 0.2
     assert MoeRuntime._rank(runtime, ids, probs) == [3, 9, 7, 1]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 32, 33, 500])       # both sides of SMALL_ROUTING (256 pairs)
+def test_expert_rows_counts_and_sums_per_expert(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(tokens)])
+    probs = torch.rand(tokens, 8, generator=g)
+    rows, sums = expert_rows(ids, 64), expert_rows(ids, 64, probs)
+    want_rows = torch.bincount(ids.reshape(-1), minlength=64)
+    want_sums = torch.zeros(64, dtype=torch.float64).index_add_(0, ids.reshape(-1), probs.reshape(-1).double())
+    assert rows == {e: int(n) for e, n in enumerate(want_rows.tolist()) if n}
+    assert sums.keys() == rows.keys()
+    assert all(abs(sums[e] - want_sums[e].item()) < 1e-6 for e in sums)
 
 
 def test_modes_change_the_copies_not_the_tokens(model):

@@ -43,7 +43,28 @@ from freetoken.moe.trace import RoutingTrace
 from freetoken.utils.device import device_key
 
 CALIBRATION_S = 0.1     # per measured rate, four rates: about half a second at startup
-Router = Callable[[torch.Tensor], torch.Tensor]    # x [T, D] -> guessed expert ids [T, k]
+Router = Callable[[torch.Tensor], tuple]    # x [T, D] -> (probabilities [T, k], expert ids [T, k])
+SMALL_ROUTING = 256     # up to this many (token, expert) pairs, count in Python: torch's ops
+                        # on tiny host tensors cost ~10 us each, and this runs per layer per step
+
+
+def expert_rows(ids_h: torch.Tensor, num_experts: int, weights_h: torch.Tensor | None = None) -> dict:
+    """{expert: rows routed to it} over ids [T, k] on the host, or with weights [T, k] the sum
+    of their weights; only experts that appear."""
+    flat = ids_h.reshape(-1)
+    if flat.numel() <= SMALL_ROUTING:
+        out: dict[int, float] = {}
+        values = [1] * flat.numel() if weights_h is None else weights_h.reshape(-1).tolist()
+        for e, v in zip(flat.tolist(), values):
+            out[e] = out.get(e, 0) + v
+        return out
+    if weights_h is None:
+        totals = torch.bincount(flat, minlength=num_experts)
+    else:
+        totals = torch.zeros(num_experts, dtype=torch.float64).index_add_(0, flat, weights_h.reshape(-1).double())
+    present = torch.bincount(flat, minlength=num_experts).nonzero().reshape(-1).tolist()
+    values = totals.tolist()
+    return {e: values[e] for e in present}
 
 
 class MoeRuntime:
@@ -113,8 +134,8 @@ class MoeRuntime:
             self.window.synced(layer)
         guessed = None if nxt is None else self._rank(guess_h, guess_w_h)
         # Distinct experts, busiest first: hybrid fetches the ones with the most rows.
-        counts = torch.bincount(ids_h.reshape(-1), minlength=self.store.num_experts).tolist()
-        needed = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e))
+        counts = expert_rows(ids_h, self.store.num_experts)
+        needed = sorted(counts, key=lambda e: (-counts[e], e))
         if self.trace is not None:
             self.trace.record(self._step_serial, layer, needed, self._guesses.get(layer), rows)
         self._score_guess(layer, needed)
@@ -163,10 +184,8 @@ class MoeRuntime:
     def _rank(self, guess_h: torch.Tensor, guess_w_h: torch.Tensor) -> list[int]:
         """The guessed experts [T, k], most likely first: by router probability summed over
         the tokens that picked them."""
-        flat = guess_h.reshape(-1)
-        score = torch.zeros(self.store.num_experts, dtype=torch.float64).index_add_(
-            0, flat, guess_w_h.reshape(-1).double()).tolist()
-        return sorted(torch.unique(flat).tolist(), key=lambda e: (-score[e], e))
+        score = expert_rows(guess_h, self.store.num_experts, guess_w_h)
+        return sorted(score, key=lambda e: (-score[e], e))
 
     def _prefetch(self, nxt, guessed: list[int] | None, protected, rows: int) -> None:
         if nxt is None:
