@@ -15,7 +15,8 @@ Per layer and step (the router has already picked ids [T, k] and weights [T, k])
      kernel runs;
      cpu layers: x goes to the host, the experts run there, the result comes back.
 
-Prefetch accuracy = guessed experts the next layer then used / experts guessed.
+Prefetch accuracy = guessed experts the next layer then used / experts guessed. A RoutingTrace
+set on `trace` records every layer's experts and guess (bench/cache_policy.py replays them).
 
 At startup the cost of fetching one expert and of computing it on the CPU (this device's
 `ft bench bw` profile, else a half-second calibration) sets hybrid's K, and decides whether
@@ -33,8 +34,8 @@ import triton_kernels as tk
 from freetoken.moe.bandwidth import ExpertBench, ExpertCosts, host_copy_gbps
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.config import MoeConfig
-from freetoken.moe.overlap import PrefetchWindow
 from freetoken.moe.cpu import cpu_moe, torch_threads
+from freetoken.moe.overlap import PrefetchWindow
 from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
 from freetoken.moe.profile import load_profile
@@ -163,7 +164,7 @@ class MoeRuntime:
         cpu_out = self._cpu(layer, x_h, w_h, ids_h, res.skipped).to(x.device)
         return cpu_out if out is None else out + cpu_out
 
-    def _fetch_budget(self, layer: int, needed: list[int], counts: list[int]) -> int:
+    def _fetch_budget(self, layer: int, needed: list[int], counts: dict[int, int]) -> int:
         """Hybrid: misses to fetch this step. A fixed moe_hybrid_k, or from the measured
         costs and each miss's rows, so a prefill chunk's busy experts are not left to the CPU."""
         if not self.costs:
