@@ -98,6 +98,10 @@ def _add_moe_flags(s) -> None:
                         "carries while the GPU computes, all = every guess, off = none")
     g.add_argument("--no-moe-prefetch", dest="moe_prefetch", action="store_const", const="off",
                    help="the same as --moe-prefetch off (a baseline)")
+    g.add_argument("--moe-trace", metavar="PATH",
+                   help="record every MoE layer's experts and prefetch guesses per step into PATH "
+                        "(JSON, written at shutdown or after 10000 steps) for "
+                        "`python bench/cache_policy.py --trace PATH`; needs experts off the card")
     g.add_argument("--moe-lfu-decay", type=float, default=0.9, metavar="D",
                    help="lfu-decay: every step multiplies each expert's use count by D (0 < D <= 1)")
 
@@ -111,7 +115,7 @@ def _moe_config(args):
                      cpu_layers=args.moe_cpu_layers, cpu_threads=args.moe_cpu_threads,
                      hybrid_k=args.moe_hybrid_k, pin_budget_gb=pin,
                      kv_reserve_tokens=args.kv_reserve_tokens, prefetch=args.moe_prefetch,
-                     lfu_decay=args.moe_lfu_decay)
+                     lfu_decay=args.moe_lfu_decay, trace_path=args.moe_trace)
 
 
 def _resolve_device(args) -> str:

@@ -118,3 +118,28 @@ def test_offload_flags_reach_the_engine(model_dir):
     assert moe["prefetch"] == "off" and moe["counters"]["prefetch_guessed"] == 0
     assert moe["counters"]["fetch_gbps"] > 0
     assert moe["counters"]["lookups"] == moe["counters"]["hits"] + moe["counters"]["misses"] > 0
+
+
+def test_moe_trace_records_the_routing_served(model_dir, tmp_path):
+    """`ft serve --moe-trace PATH` writes the routing of the requests it served (not the
+    warmup's) at shutdown, and bench/cache_policy.py's replay runs on it."""
+    from freetoken.moe.replay import belady_fetches, replay
+    from freetoken.moe.trace import RoutingTrace
+
+    path = tmp_path / "routing.json"
+    body = {"model": "tiny", "prompt": "the lighthouse keeper", "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True}
+    with ServerProcess(model_dir, "--moe-backend", "offload", "--moe-cache-size", "10",
+                       "--moe-prefetch", "all", "--moe-trace", str(path)) as server:
+        server.request("POST", "/v1/completions", body)
+        _, inst = server.request("GET", "/v1/instrumentation")
+        assert not path.exists()                 # written at shutdown
+        assert server.stop() == 0
+    trace = RoutingTrace.load(path)
+    counters = inst["moe"]["counters"]
+    assert len(trace.steps) == counters["steps"] >= 10 and "ft serve" in trace.source
+    assert sum(len(r.experts) for s in trace.steps for r in s.routes) == counters["lookups"]
+    got = replay(trace, 10, "lfu-decay")
+    assert (got.lookups, got.hits) == (counters["lookups"], counters["hits"])
+    assert belady_fetches(trace, 10).fetched <= got.fetched
+

@@ -49,6 +49,7 @@ class MoeConfig:
     pin_budget_gb: float | None = None  # host bytes to page-lock for experts (None: 60% of free RAM)
     kv_reserve_tokens: int = 8192       # auto cache sizing leaves the KV cache this many tokens
     prefetch: str = "auto"              # guess layer L+1's experts from layer L's state: PREFETCH
+    trace_path: str | None = None       # record the routing here (JSON, for bench/cache_policy.py)
 
     def __post_init__(self):
         if isinstance(self.cpu_layers, list):

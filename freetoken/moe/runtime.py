@@ -26,6 +26,7 @@ At startup the cost of fetching one expert and of computing it on the CPU (this 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import torch
@@ -43,7 +44,10 @@ from freetoken.moe.store import ExpertStore
 from freetoken.moe.trace import RoutingTrace
 from freetoken.utils.device import device_key
 
+log = logging.getLogger("freetoken.moe")
+
 CALIBRATION_S = 0.1     # per measured rate, four rates: about half a second at startup
+TRACE_MAX_STEPS = 10_000    # --moe-trace: written and closed after this many steps
 Router = Callable[[torch.Tensor], tuple]    # x [T, D] -> (probabilities [T, k], expert ids [T, k])
 SMALL_ROUTING = 256     # up to this many (token, expert) pairs, count in Python: torch's ops
                         # on tiny host tensors cost ~10 us each, and this runs per layer per step
@@ -94,6 +98,9 @@ class MoeRuntime:
             self._refine_auto()
         self._guesses: dict[int, list[int]] = {}     # layer -> its guess, most likely first
         self.trace: RoutingTrace | None = None      # set one to record the routing
+        if cfg.trace_path:
+            self.trace = RoutingTrace(tuple(moe_layers), store.num_experts, top_k,
+                                      source=f"recorded by ft serve ({plan.backend}, prefetch {cfg.prefetch})")
         self.num_steps = 0
         self._step_serial = 0          # never reset: tells a trace's steps apart
         self.prefetch_guessed = 0
@@ -108,12 +115,24 @@ class MoeRuntime:
     def begin_step(self) -> None:
         self.num_steps += 1
         self._step_serial += 1
+        if self.cfg.trace_path and self.trace is not None and len(self.trace.steps) >= TRACE_MAX_STEPS:
+            self.close()
         self._guesses.clear()
         if self.cache is not None:
             self.cache.begin_step()
 
+    def close(self) -> None:
+        """Write the --moe-trace recording, if one is running, and stop recording."""
+        if self.cfg.trace_path and self.trace is not None:
+            self.trace.save(self.cfg.trace_path)
+            log.info("routing trace of %d steps written to %s", len(self.trace.steps), self.cfg.trace_path)
+            self.trace = None
+
     def reset_counters(self) -> None:
-        """Zero the live counters (e.g. after warmup); the cache keeps its contents."""
+        """Zero the live counters (e.g. after warmup) and restart a --moe-trace recording;
+        the cache keeps its contents."""
+        if self.cfg.trace_path and self.trace is not None:
+            self.trace.steps.clear()
         self.num_steps = self.prefetch_guessed = self.prefetch_used = self.prefetch_dropped = 0
         self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
         if self.cache is not None:

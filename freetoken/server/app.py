@@ -135,6 +135,9 @@ class ServingApp:
     async def shutdown(self, timeout_s: float) -> None:
         if self.engine is not None:
             await self.engine.shutdown(timeout_s)
+            moe = getattr(self.engine.core.runner, "moe", None)
+            if moe is not None:
+                moe.close()                      # writes --moe-trace's recording
         if self.keep_resident is not None:
             self.keep_resident.stop()
 
