@@ -12,6 +12,7 @@ runs, and steps it until all are done.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -49,13 +50,16 @@ class LLM:
                  moe_cache_policy: str = "lfu-decay", moe_cpu_layers=None,
                  moe_cpu_threads: int | None = None, moe_hybrid_k: int | None = None,
                  pin_budget_gb: float | None = None, kv_reserve_tokens: int = 8192,
-                 moe_prefetch: str | bool = "auto", moe_lfu_decay: float = 0.9):
+                 moe_prefetch: str | bool = "auto", moe_lfu_decay: float = 0.9,
+                 moe_trace: str | None = None):
         # moe_*: where the experts live and run (see freetoken.moe.config.MoeConfig).
+        # moe_trace is written when this LLM is collected or the interpreter exits, or by
+        # llm.runner.moe.close().
         moe = MoeConfig(backend=moe_backend, cache_size=moe_cache_size, cache_rate=moe_cache_rate,
                         cache_policy=moe_cache_policy, cpu_layers=moe_cpu_layers,
                         cpu_threads=moe_cpu_threads, hybrid_k=moe_hybrid_k,
                         pin_budget_gb=pin_budget_gb, kv_reserve_tokens=kv_reserve_tokens,
-                        prefetch=moe_prefetch, lfu_decay=moe_lfu_decay)
+                        prefetch=moe_prefetch, lfu_decay=moe_lfu_decay, trace_path=moe_trace)
         self.engine_config = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len,
             kv_cache_tokens=kv_cache_tokens, block_size=block_size,
@@ -67,6 +71,8 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
         self.engine = EngineCore(self.runner, self.tokenizer,
                                  SchedulerConfig(max_prefill_length, max_running_requests))
+        if moe_trace and self.runner.moe is not None:
+            weakref.finalize(self, self.runner.moe.close)
 
     @property
     def model_config(self):

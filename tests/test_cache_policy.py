@@ -4,6 +4,8 @@ overflow the cache and on skewed routing, and a trace recorded from the live eng
 replays to the very counters the engine reported (so bench/cache_policy.py's replays are the
 cache's real behaviour, not a model of it)."""
 
+import gc
+
 import pytest
 
 from freetoken import LLM, SamplingParams
@@ -97,3 +99,18 @@ def test_a_recorded_trace_replays_to_the_engines_counters(tmp_path, policy):
     assert (got.lookups, got.hits) == (live["lookups"], live["hits"])
     assert got.fetched == live["experts_fetched"] and got.prefetched == live["prefetch_fetched"] > 0
     assert (got.guessed, got.guessed_used) == (live["prefetch_guessed"], live["prefetch_used"])
+
+
+def test_llm_moe_trace_is_written_when_the_llm_goes(tmp_path):
+    model = make_tiny_model(tmp_path / "m", hidden_size=64, num_layers=2, num_experts=8, top_k=2,
+                            moe_intermediate_size=16)
+    path = tmp_path / "trace.json"
+    llm = LLM(str(model), skip_tokenizer_init=True, moe_backend="offload", moe_trace=str(path))
+    llm.generate([[4, 5, 6]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    steps = llm.runner.moe.num_steps
+    assert not path.exists()
+    del llm
+    gc.collect()
+    trace = RoutingTrace.load(path)
+    assert len(trace.steps) == steps == 5 and trace.layers == (0, 1) and trace.top_k == 2
+
