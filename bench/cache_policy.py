@@ -106,7 +106,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     steps, rates = (60, args.rates[:1]) if args.quick else (args.steps, args.rates)
 
-    traces = {Path(t).stem: RoutingTrace.load(t) for t in args.trace}
+    try:
+        traces = {Path(t).stem: RoutingTrace.load(t) for t in args.trace}
+    except (OSError, ValueError) as e:
+        print(f"cache_policy: {e}", file=sys.stderr)
+        return 2
     if not args.trace:
         for batch in (1, 8):
             n = steps if batch == 1 else steps // 2

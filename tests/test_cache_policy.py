@@ -79,6 +79,9 @@ def test_a_trace_saved_and_loaded_replays_the_same(tmp_path):
     back = RoutingTrace.load(tmp_path / "t.json")
     assert back.steps == trace.steps and back.layers == trace.layers and back.source == trace.source
     assert replay(back, 6, "lfu-decay") == replay(trace, 6, "lfu-decay")
+    (tmp_path / "bad.json").write_text('{"layers": [0]}')
+    with pytest.raises(ValueError, match="bad.json is not a routing trace"):
+        RoutingTrace.load(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu-decay"])

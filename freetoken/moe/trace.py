@@ -65,9 +65,15 @@ class RoutingTrace:
 
     @classmethod
     def load(cls, path) -> "RoutingTrace":
-        d = json.loads(Path(path).read_text())
-        steps = [Step(s["rows"], [LayerRoute(l, e, g) for l, e, g in s["routes"]]) for s in d["steps"]]
-        return cls(tuple(d["layers"]), d["num_experts"], d["top_k"], steps, d.get("source", ""))
+        """Read what `save` wrote; anything else is a ValueError that names the file."""
+        try:
+            d = json.loads(Path(path).read_text())
+            steps = [Step(s["rows"], [LayerRoute(l, e, g) for l, e, g in s["routes"]])
+                     for s in d["steps"]]
+            return cls(tuple(d["layers"]), d["num_experts"], d["top_k"], steps, d.get("source", ""))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a routing trace (written by `ft serve --moe-trace` "
+                             f"or RoutingTrace.save): {type(e).__name__}: {e}") from None
 
 
 def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, batch: int = 1,
