@@ -100,8 +100,9 @@ def _add_moe_flags(s) -> None:
                    help="the same as --moe-prefetch off (a baseline)")
     g.add_argument("--moe-trace", metavar="PATH",
                    help="record every MoE layer's experts and prefetch guesses per step into PATH "
-                        "(JSON, written at shutdown or after 10000 steps) for "
-                        "`python bench/cache_policy.py --trace PATH`; needs experts off the card")
+                        "(JSON, written at shutdown, or after 10000 steps, when recording stops) for "
+                        "`python bench/cache_policy.py --trace PATH`; needs experts in host RAM "
+                        "(--moe-backend offload, hybrid or cpu)")
     g.add_argument("--moe-lfu-decay", type=float, default=0.9, metavar="D",
                    help="lfu-decay: every step multiplies each expert's use count by D (0 < D <= 1)")
 
@@ -110,6 +111,9 @@ def _moe_config(args):
     from freetoken.moe.config import MoeConfig
 
     pin = args.pin_budget_gb if args.pin_budget_gb is not None else env.pin_budget_gb()
+    if args.moe_trace:
+        from freetoken.moe.trace import check_trace_path
+        check_trace_path(args.moe_trace)          # fail now, not after hours of serving
     return MoeConfig(backend=args.moe_backend, cache_size=args.moe_cache_size,
                      cache_rate=args.moe_cache_rate, cache_policy=args.moe_cache_policy,
                      cpu_layers=args.moe_cpu_layers, cpu_threads=args.moe_cpu_threads,

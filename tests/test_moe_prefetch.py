@@ -2,6 +2,7 @@
 guesses by router probability, and the runtime honouring the window and the three modes
 end to end on a tiny model (outputs never change: prefetch only moves copies earlier)."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from freetoken.demo.tiny_model import make_tiny_model
 from freetoken.moe.config import MoeConfig
 from freetoken.moe.overlap import PrefetchWindow
 from freetoken.moe.runtime import MoeRuntime, expert_rows
+from freetoken.moe.trace import RoutingTrace
 
 
 class HandClock(PrefetchWindow):
@@ -132,3 +134,62 @@ def test_hybrid_prefetches_no_more_than_its_k_or_the_window(model, monkeypatch, 
     cache.prefetch = recording_prefetch
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert limits and set(limits) == {limit}          # min(K = 2, what the window holds)
+
+
+class CallLog(PrefetchWindow):
+    """Records the order of the runtime's calls: (name, layer)."""
+    calls: list = []
+
+    def started(self, layer):
+        self.calls.append(("started", layer))
+        super().started(layer)
+
+    def routed(self, layer):
+        self.calls.append(("routed", layer))
+        super().routed(layer)
+
+    def synced(self, layer):
+        self.calls.append(("synced", layer))
+        super().synced(layer)
+
+    def closed(self, layer, rows):
+        self.calls.append(("closed", layer))
+        super().closed(layer, rows)
+
+
+def test_each_window_opens_in_the_layer_before_and_closes_before_the_demand_fetch(model, monkeypatch):
+    import freetoken.moe.runtime as runtime_module
+    monkeypatch.setattr(runtime_module, "PrefetchWindow", CallLog)
+    CallLog.calls = []
+    _, moe = run(model)
+    layers = sorted(moe.mode)                                        # 0..3, each prefetching the next
+    # Per step and layer: its routing, the sync, its demand fetch; then the next layer's
+    # prefetch starts that layer's window.
+    step = []
+    for layer in layers:
+        step += [("routed", layer), ("synced", layer), ("closed", layer)]
+        if layer != layers[-1]:
+            step.append(("started", moe.next_cached[layer]))
+    assert CallLog.calls == step * moe.report()["counters"]["steps"]
+    assert all(moe.window.latest_s.get(layer) is not None for layer in layers[1:])
+
+
+def test_a_trace_is_written_at_its_cap_and_a_failed_write_fails_nothing(model, tmp_path, monkeypatch):
+    import freetoken.moe.runtime as runtime_module
+    monkeypatch.setattr(runtime_module, "TRACE_MAX_STEPS", 3)
+    path = tmp_path / "t.json"
+    _, moe = run(model, moe_trace=str(path))          # 12 tokens: the cap comes mid-run
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)                              # written on a thread of its own
+    assert moe.trace is None and len(RoutingTrace.load(path).steps) == 3
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    llm = LLM(model, skip_tokenizer_init=True, moe_backend="offload", moe_cache_size=24,
+              moe_trace=str(folder / "t.json"))
+    folder.rmdir()                                    # the write at the cap will fail
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8 and llm.runner.moe.trace is None
+    with pytest.raises(ValueError, match="cannot write"):
+        LLM(model, skip_tokenizer_init=True, moe_backend="offload", moe_trace=str(folder / "t.json"))
+

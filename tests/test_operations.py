@@ -129,17 +129,21 @@ def test_moe_trace_records_the_routing_served(model_dir, tmp_path):
     path = tmp_path / "routing.json"
     body = {"model": "tiny", "prompt": "the lighthouse keeper", "max_tokens": 10, "temperature": 0,
             "ignore_eos": True}
+    # The warmup ladder runs (forced on the CPU, kept short): its steps must not be in the trace.
     with ServerProcess(model_dir, "--moe-backend", "offload", "--moe-cache-size", "10",
-                       "--moe-prefetch", "all", "--moe-trace", str(path)) as server:
+                       "--moe-prefetch", "all", "--moe-trace", str(path), "--max-prefill-length", "32",
+                       env={"FREETOKEN_PREFILL_WARMUP": "1", "FREETOKEN_WARMUP_MAX_DEPTH": "64"}) as server:
         server.request("POST", "/v1/completions", body)
         _, inst = server.request("GET", "/v1/instrumentation")
         assert not path.exists()                 # written at shutdown
         assert server.stop() == 0
     trace = RoutingTrace.load(path)
+    assert inst["warmup"]["extend_lengths"] and inst["warmup"]["depth"] > 0     # the ladder ran
     counters = inst["moe"]["counters"]
     assert len(trace.steps) == counters["steps"] >= 10 and "ft serve" in trace.source
     assert sum(len(r.experts) for s in trace.steps for r in s.routes) == counters["lookups"]
+    # The cache was warm from the ladder, so a replay from empty can only hit less.
     got = replay(trace, 10, "lfu-decay")
-    assert (got.lookups, got.hits) == (counters["lookups"], counters["hits"])
+    assert got.lookups == counters["lookups"] and got.hits <= counters["hits"]
     assert belady_fetches(trace, 10).fetched <= got.fetched
 

@@ -64,6 +64,10 @@ class ModelRunner:
         self.model = model.eval().requires_grad_(False)
         if self.expert_store is not None:
             self.moe = self._moe_runtime(blocks)
+        elif config.moe.trace_path:
+            log.warning("moe_trace=%s records nothing: every expert stays on the device (%s); "
+                        "a trace needs experts in host RAM (e.g. moe_backend=offload)",
+                        config.moe.trace_path, self.moe_plan.reason)
         cos_sin = build_cos_sin(mc.rope, mc.head_dim, self.max_model_len, self.device)
         layers = self.model.attention_layers()
         for layer in layers:

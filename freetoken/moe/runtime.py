@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -41,7 +42,7 @@ from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
 from freetoken.moe.profile import load_profile
 from freetoken.moe.store import ExpertStore
-from freetoken.moe.trace import RoutingTrace
+from freetoken.moe.trace import RoutingTrace, check_trace_path
 from freetoken.utils.device import device_key
 
 log = logging.getLogger("freetoken.moe")
@@ -63,11 +64,10 @@ def expert_rows(ids_h: torch.Tensor, num_experts: int, weights_h: torch.Tensor |
         for e, v in zip(flat.tolist(), values):
             out[e] = out.get(e, 0) + v
         return out
-    if weights_h is None:
-        totals = torch.bincount(flat, minlength=num_experts)
-    else:
-        totals = torch.zeros(num_experts, dtype=torch.float64).index_add_(0, flat, weights_h.reshape(-1).double())
-    present = torch.bincount(flat, minlength=num_experts).nonzero().reshape(-1).tolist()
+    rows = torch.bincount(flat, minlength=num_experts)
+    present = rows.nonzero().reshape(-1).tolist()
+    totals = rows if weights_h is None else torch.zeros(num_experts, dtype=torch.float64).index_add_(
+        0, flat, weights_h.reshape(-1).double())
     values = totals.tolist()
     return {e: values[e] for e in present}
 
@@ -99,6 +99,7 @@ class MoeRuntime:
         self._guesses: dict[int, list[int]] = {}     # layer -> its guess, most likely first
         self.trace: RoutingTrace | None = None      # set one to record the routing
         if cfg.trace_path:
+            check_trace_path(cfg.trace_path)
             self.trace = RoutingTrace(tuple(moe_layers), store.num_experts, top_k,
                                       source=f"recorded by ft serve ({plan.backend}, prefetch {cfg.prefetch})")
         self.num_steps = 0
@@ -116,17 +117,29 @@ class MoeRuntime:
         self.num_steps += 1
         self._step_serial += 1
         if self.cfg.trace_path and self.trace is not None and len(self.trace.steps) >= TRACE_MAX_STEPS:
-            self.close()
+            self.close(background=True)     # serving goes on while the file is written
         self._guesses.clear()
         if self.cache is not None:
             self.cache.begin_step()
 
-    def close(self) -> None:
-        """Write the --moe-trace recording, if one is running, and stop recording."""
-        if self.cfg.trace_path and self.trace is not None:
-            self.trace.save(self.cfg.trace_path)
-            log.info("routing trace of %d steps written to %s", len(self.trace.steps), self.cfg.trace_path)
-            self.trace = None
+    def close(self, background: bool = False) -> None:
+        """Stop a --moe-trace recording and write it (on a thread of its own if background).
+        A write that fails is logged: it must not fail a step or the shutdown."""
+        trace, path = self.trace, self.cfg.trace_path
+        if not path or trace is None:
+            return
+        self.trace = None
+
+        def write():
+            try:
+                trace.save(path)
+                log.info("routing trace of %d steps written to %s", len(trace.steps), path)
+            except OSError as e:
+                log.error("could not write the routing trace to %s: %s", path, e)
+        if background:
+            threading.Thread(target=write, name="moe-trace-writer").start()
+        else:
+            write()
 
     def reset_counters(self) -> None:
         """Zero the live counters (e.g. after warmup) and restart a --moe-trace recording;

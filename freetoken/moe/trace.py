@@ -18,8 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from pathlib import Path
+
+
+def check_trace_path(path) -> None:
+    """Refuse up front a path a recording could not be written to at the end."""
+    folder = Path(path).resolve().parent
+    if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"moe_trace: cannot write {path} (it needs a file in an existing, "
+                         f"writable folder)")
 
 
 @dataclasses.dataclass
@@ -57,11 +66,14 @@ class RoutingTrace:
         return sum(s.rows for s in self.steps)
 
     def save(self, path) -> None:
-        Path(path).write_text(json.dumps({
+        """Write as JSON; the file appears whole (written aside, then renamed)."""
+        tmp = Path(f"{path}.partial")
+        tmp.write_text(json.dumps({
             "layers": list(self.layers), "num_experts": self.num_experts, "top_k": self.top_k,
             "source": self.source,
             "steps": [{"rows": s.rows, "routes": [[r.layer, r.experts, r.guess] for r in s.routes]}
                       for s in self.steps]}))
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path) -> "RoutingTrace":
