@@ -8,8 +8,9 @@
                                  layer, most likely first (the order prefetch tries them), or
                                  None when nothing guessed (the first layer)
 
-A live engine records one when `MoeRuntime.trace` is a RoutingTrace (bench/cache_policy.py
-does this on a model with skewed routers); `synthetic_trace` draws one from a stated
+A live engine records one when `MoeRuntime.trace` is a RoutingTrace: `ft serve --moe-trace
+PATH` (or `LLM(moe_trace=PATH)`) records the traffic it serves, and bench/cache_policy.py
+records a model with skewed routers. `synthetic_trace` draws one from a stated
 distribution. freetoken.moe.replay runs either through the real cache under any policy and
 size, and computes the offline optimum, so policies are compared on the same routing.
 """
@@ -21,14 +22,6 @@ import json
 import os
 import random
 from pathlib import Path
-
-
-def check_trace_path(path) -> None:
-    """Refuse up front a path a recording could not be written to at the end."""
-    folder = Path(path).resolve().parent
-    if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ValueError(f"moe_trace: cannot write {path} (it needs a file in an existing, "
-                         f"writable folder)")
 
 
 @dataclasses.dataclass
@@ -134,3 +127,11 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, steps: int, b
             experts = sorted(counts, key=lambda e: (-counts[e], e))
             trace.record(t, layer, experts, sorted(guess) if layer else None, batch)
     return trace
+
+
+def check_trace_path(path) -> None:
+    """Refuse up front a path a recording could not be written to at the end."""
+    folder = Path(path).resolve().parent
+    if Path(path).is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"moe_trace: cannot write {path} (it needs a file in an existing, "
+                         f"writable folder)")
