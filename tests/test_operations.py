@@ -135,6 +135,7 @@ def test_moe_trace_records_the_routing_served(model_dir, tmp_path):
                        env={"FREETOKEN_PREFILL_WARMUP": "1", "FREETOKEN_WARMUP_MAX_DEPTH": "64"}) as server:
         server.request("POST", "/v1/completions", body)
         _, inst = server.request("GET", "/v1/instrumentation")
+        metrics = scrape(server)
         assert not path.exists()                 # written at shutdown
         assert server.stop() == 0
     trace = RoutingTrace.load(path)
@@ -146,4 +147,8 @@ def test_moe_trace_records_the_routing_served(model_dir, tmp_path):
     got = replay(trace, 10, "lfu-decay")
     assert got.lookups == counters["lookups"] and got.hits <= counters["hits"]
     assert belady_fetches(trace, 10).fetched <= got.fetched
+    prefetched = metrics[("freetoken_expert_prefetched_total", ())]
+    assert 0 < metrics[("freetoken_expert_prefetch_used_total", ())] <= \
+        metrics[("freetoken_expert_prefetch_guessed_total", ())]
+    assert prefetched == counters["prefetch_fetched"] > 0
 

@@ -37,6 +37,17 @@ class EngineMetrics:
             r.add(Counter("freetoken_expert_cache_misses", "Routed experts not in the GPU cache", counter("misses")))
             r.add(Counter("freetoken_expert_bytes_fetched", "Expert bytes copied host to device",
                           counter("bytes_fetched")))
+            r.add(Counter("freetoken_expert_prefetch_guessed", "Experts the next layer's guess named",
+                          counter("prefetch_guessed")))
+            r.add(Counter("freetoken_expert_prefetch_used", "Guessed experts the next layer then used",
+                          counter("prefetch_used")))
+            r.add(Counter("freetoken_expert_prefetched", "Guessed experts copied ahead of their layer",
+                          counter("prefetch_fetched")))
+            r.add(Counter("freetoken_expert_prefetch_dropped",
+                          "Guessed experts not copied ahead (the link's idle window was full)",
+                          counter("prefetch_dropped")))
+            r.add(Counter("freetoken_expert_cpu_computed", "Routed experts computed on the CPU",
+                          counter("cpu_experts")))
 
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
