@@ -47,6 +47,10 @@ def test_the_window_is_compute_time_plus_the_host_gap_before_the_demand_fetch():
     assert w.window_s[(3, 1)] == pytest.approx(0.75 + 0.3 * (0.25 - 0.75))    # the EMA
     assert w.window_s[(3, 7)] == 4.0 and w.count(3, 64, 0.25) == 16 and w.count(3, 1, None) is None
     assert w.latest_s[3] == 4.0
+    # A 0.6 s window holds one whole 0.4 s copy and 0.2 s of a second: worth starting when a
+    # guess of rank 1 is right often enough that its uncovered tail costs less, (1 - a) * 0.4 < 0.2.
+    assert w.count(3, 1, 0.4, lambda rank: 0.7 if rank == 1 else 0.0) == 2
+    assert w.count(3, 1, 0.4, lambda rank: 0.4 if rank == 1 else 1.0) == 1
     w.closed(4, 1)                                    # a layer nobody prefetched for
     assert not any(layer == 4 for layer, _ in w.window_s)
 
@@ -100,6 +104,9 @@ def test_modes_change_the_copies_not_the_tokens(model):
     c = moe.report()["counters"]
     assert all_tokens == tokens
     assert c["prefetch_fetched"] > 0 and moe.window is None
+    by_rank = c["prefetch_accuracy_by_rank"]          # 0: the most likely guess
+    assert by_rank and all(0 <= a <= 1 for a in by_rank)
+    assert (sum(moe._rank_used), sum(moe._rank_guessed)) == (c["prefetch_used"], c["prefetch_guessed"])
 
     auto_tokens, moe = run(model)                           # the default: auto
     r = moe.report()
@@ -110,7 +117,7 @@ def test_modes_change_the_copies_not_the_tokens(model):
 
 @pytest.mark.parametrize("fit", [0, 1])
 def test_prefetch_stays_within_the_window(model, monkeypatch, fit):
-    monkeypatch.setattr(PrefetchWindow, "count", lambda self, layer, rows, copy_s: fit)
+    monkeypatch.setattr(PrefetchWindow, "count", lambda self, layer, rows, copy_s, accuracy: fit)
     tokens, moe = run(model)
     c = moe.report()["counters"]
     prefetching_layers = len(moe.next_cached)
@@ -122,7 +129,7 @@ def test_prefetch_stays_within_the_window(model, monkeypatch, fit):
 
 @pytest.mark.parametrize("fit,limit", [(1, 1), (3, 2)])
 def test_hybrid_prefetches_no_more_than_its_k_or_the_window(model, monkeypatch, fit, limit):
-    monkeypatch.setattr(PrefetchWindow, "count", lambda self, layer, rows, copy_s: fit)
+    monkeypatch.setattr(PrefetchWindow, "count", lambda self, layer, rows, copy_s, accuracy: fit)
     llm = LLM(model, skip_tokenizer_init=True, moe_backend="hybrid", moe_cache_size=24, moe_hybrid_k=2)
     cache = llm.runner.moe.cache
     limits, prefetch = [], cache.prefetch

@@ -8,7 +8,10 @@ delays layer L+1's demand fetch by a whole copy when the guess was wrong, and ga
 when it was right (it only replaces a copy the demand fetch would have made). So per layer
 the runtime prefetches the guesses most likely to be used, as many as fit:
 
-    count(L+1) = floor(window(L+1) / copy time of one expert)
+    count(L+1) = the copies that fit whole in window(L+1), plus the next one when the part of
+                 it the window hides is worth more than it costs: its tail delays the demand
+                 fetch always, and saves a whole copy with the probability a that a guess of
+                 its rank is right, so it goes when  window left > (1 - a) * copy
     window(L+1) = GPU time from "layer L's experts may run" (its misses have landed) to
                   "layer L+1's router is done" (events on the compute stream)
                 + host time from the sync for L+1's routing to L+1's demand fetch
@@ -30,6 +33,7 @@ runs the same logic.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -78,13 +82,17 @@ class PrefetchWindow:
         self.window_s[key] = window if old is None else old + SMOOTHING * (window - old)
         self.latest_s[layer] = self.window_s[key]
 
-    def count(self, layer: int, rows: int, copy_s: float | None) -> int | None:
-        """Experts that fit in layer's window for a step of `rows`; None (no limit) until both
-        are measured."""
+    def count(self, layer: int, rows: int, copy_s: float | None,
+              accuracy: Callable[[int], float] = lambda rank: 0.0) -> int | None:
+        """Guesses worth prefetching for layer in a step of `rows` (see the module docstring);
+        accuracy(rank): how often a guess of that rank (0 = most likely) is right. None (no
+        limit) until the window and the copy time are measured."""
         window = self.window_s.get((layer, rows_bucket(rows)))
         if window is None or not copy_s:
             return None
-        return int(window / copy_s)
+        whole = int(window / copy_s)
+        left = window - whole * copy_s
+        return whole + (left > (1.0 - accuracy(whole)) * copy_s)
 
     def _now(self) -> float:
         return time.perf_counter()

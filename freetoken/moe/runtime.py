@@ -107,6 +107,8 @@ class MoeRuntime:
         self.prefetch_guessed = 0
         self.prefetch_used = 0
         self.prefetch_dropped = 0      # guesses left out: the window or hybrid's K was full, or no slot free
+        self._rank_guessed: list[int] = []    # per rank of a guess (0: most likely): how often
+        self._rank_used: list[int] = []       # it was made, and how often the layer used it
         self.cpu_experts = {l: 0 for l in moe_layers}
 
     def layer_fn(self, layer: int):
@@ -147,6 +149,7 @@ class MoeRuntime:
         if self.cfg.trace_path and self.trace is not None:
             self.trace.steps.clear()
         self.num_steps = self.prefetch_guessed = self.prefetch_used = self.prefetch_dropped = 0
+        self._rank_guessed, self._rank_used = [], []
         self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
         if self.cache is not None:
             self.cache.reset_counters()
@@ -226,7 +229,7 @@ class MoeRuntime:
         self._guesses[nxt] = guessed
         limit = self.hybrid_k if self.mode[nxt] == "hybrid" else None
         if self.window is not None:
-            fit = self.window.count(nxt, rows, self._copy_s())
+            fit = self.window.count(nxt, rows, self._copy_s(), self._rank_accuracy)
             limit = fit if limit is None else limit if fit is None else min(limit, fit)
         missing = sum((nxt, e) not in self.cache.slot_of for e in guessed)
         moved = self.cache.prefetch(nxt, guessed, protected, limit)
@@ -242,9 +245,22 @@ class MoeRuntime:
 
     def _score_guess(self, layer: int, needed: list[int]) -> None:
         guessed = self._guesses.pop(layer, None)
-        if guessed is not None:
-            self.prefetch_guessed += len(guessed)
-            self.prefetch_used += len(set(guessed).intersection(needed))
+        if guessed is None:
+            return
+        used = set(needed)
+        while len(self._rank_guessed) < len(guessed):
+            self._rank_guessed.append(0)
+            self._rank_used.append(0)
+        for rank, e in enumerate(guessed):
+            self._rank_guessed[rank] += 1
+            self._rank_used[rank] += e in used
+        self.prefetch_guessed += len(guessed)
+        self.prefetch_used += len(used.intersection(guessed))
+
+    def _rank_accuracy(self, rank: int) -> float:
+        """How often a guess of this rank was right so far (Laplace's rule: 1/2 unseen)."""
+        seen = self._rank_guessed[rank] if rank < len(self._rank_guessed) else 0
+        return ((self._rank_used[rank] if seen else 0) + 1) / (seen + 2)
 
     def _to_host(self, *tensors):
         """Host copies of the given device tensors (None passes through), one sync for all."""
@@ -356,6 +372,8 @@ class MoeRuntime:
                 "prefetch_fetched": c.num_prefetched if c else 0,
                 "prefetch_guessed": self.prefetch_guessed, "prefetch_used": self.prefetch_used,
                 "prefetch_dropped": self.prefetch_dropped,
+                "prefetch_accuracy_by_rank": [round(u / g, 4) for u, g in
+                                              zip(self._rank_used, self._rank_guessed)],
                 "prefetch_accuracy": (self.prefetch_used / self.prefetch_guessed
                                       if self.prefetch_guessed else None),
                 "cpu_experts": sum(self.cpu_experts.values()),
