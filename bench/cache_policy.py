@@ -11,6 +11,9 @@ figures are counts, the same on any machine: what the PCIe link must carry per t
 slots (no policy, with or without prefetch, fetches fewer experts). Arms: plain LRU (the
 cache everyone has), LRU + our prefetch, lfu-decay, lfu-decay + prefetch. `stalls/token` are
 demand misses, the fetches a step waits for; prefetch trades them for more bytes moved.
+For the recorded traces (whose guesses are ranked by router probability, as prefetch uses
+them) a sweep of prefetch depth (the n likeliest guesses per layer) shows what each rank costs
+in bytes and saves in stalls: moe_prefetch=auto picks the depth from the link's idle time.
 
 Traces, each at batch 1 and 8, shaped like Qwen3-30B-A3B's routing (8 MoE layers, 128
 experts, top-8; the cache holds --rates of all experts):
@@ -83,6 +86,19 @@ def compare(trace: RoutingTrace, rate: float) -> list[dict]:
     return rows
 
 
+def depth_sweep(trace: RoutingTrace, rate: float, depths=(0, 1, 2, 4, None)) -> list[dict]:
+    slots = max(int(rate * len(trace.layers) * trace.num_experts),
+                max(len(r.experts) for s in trace.steps for r in s.routes))
+    rows = []
+    for depth in depths:
+        r = replay(trace, slots, "lfu-decay", prefetch=depth != 0, depth=depth)
+        rows.append({"depth": "all" if depth is None else depth,
+                     "fetched_per_token": r.fetched_per_token, "stalls_per_token": r.stalls_per_token})
+    print("  lfu-decay, prefetch depth -> fetched/token, stalls/token: " + ", ".join(
+        f"{r['depth']}: {r['fetched_per_token']:.1f} / {r['stalls_per_token']:.1f}" for r in rows))
+    return rows
+
+
 def print_table(name: str, rate: float, rows: list[dict]) -> None:
     print(f"== {name}, cache {rate:.0%} ({rows[0]['slots']} slots)")
     for r in rows:
@@ -131,6 +147,8 @@ def main(argv=None) -> int:
             rows = compare(trace, rate)
             print_table(name, rate, rows)
             results[f"{name}@{rate}"] = rows
+            if not name.startswith("synthetic"):         # ranked guesses
+                results[f"{name}@{rate} depth"] = depth_sweep(trace, rate)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

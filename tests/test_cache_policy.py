@@ -4,6 +4,7 @@ overflow the cache and on skewed routing, and a trace recorded from the live eng
 replays to the very counters the engine reported (so bench/cache_policy.py's replays are the
 cache's real behaviour, not a model of it)."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -71,6 +72,15 @@ def test_lfu_decay_beats_lru_on_skewed_routing():
           f"lfu {no_decay.fetched_per_token:.2f}")
     assert lfu.fetched < 0.95 * lru.fetched
     assert no_decay.fetched > lfu.fetched
+
+
+def test_prefetch_depth_takes_the_likeliest_guesses_first():
+    trace = synthetic_trace(4, 16, 4, 50, seed=5)
+    none, everything = replay(trace, 24, "lfu-decay", prefetch=False), replay(trace, 24, "lfu-decay")
+    assert replay(trace, 24, "lfu-decay", depth=0).fetched == none.fetched
+    assert replay(trace, 24, "lfu-decay", depth=64) == dataclasses.replace(everything, name=everything.name + " 64")
+    one = replay(trace, 24, "lfu-decay", depth=1)
+    assert none.fetched < one.fetched < everything.fetched and 0 < one.prefetched < everything.prefetched
 
 
 def test_a_trace_saved_and_loaded_replays_the_same(tmp_path):

@@ -62,7 +62,8 @@ class ReplayResult:
 
 
 def replay(trace: RoutingTrace, slots: int, policy: str = "lru", decay: float = 0.9,
-           prefetch: bool = True) -> ReplayResult:
+           prefetch: bool = True, depth: int | None = None) -> ReplayResult:
+    """depth: prefetch only the `depth` most likely guesses of each layer (None: all)."""
     store = ExpertStore(trace.layers, trace.num_experts, 1, 1, torch.float32, available_bytes=2 ** 62)
     cache = ExpertCache(store, trace.layers, slots, make_policy(policy, decay), torch.device("cpu"))
     guessed = used = 0
@@ -75,8 +76,8 @@ def replay(trace: RoutingTrace, slots: int, policy: str = "lru", decay: float = 
             cache.ensure(route.layer, route.experts)
             nxt = step.routes[i + 1] if i + 1 < len(step.routes) else None
             if prefetch and nxt is not None and nxt.guess is not None:
-                cache.prefetch(nxt.layer, nxt.guess, {(route.layer, e) for e in route.experts})
-    name = policy + (f"({decay})" if policy == "lfu-decay" else "") + (" +prefetch" if prefetch else "")
+                cache.prefetch(nxt.layer, nxt.guess, {(route.layer, e) for e in route.experts}, depth)
+    name = policy + (f"({decay})" if policy == "lfu-decay" else "") + (" +prefetch" + (f" {depth}" if depth is not None else "") if prefetch else "")
     hits = sum(cache.hits.values())
     return ReplayResult(name, slots, trace.num_tokens, cache.num_lookups, hits,
                         cache.fetcher.num_experts_copied, cache.num_prefetched, guessed, used)
