@@ -126,6 +126,9 @@ def freetoken_arm(model_dir, args, name, kw) -> dict:
                    if p["prefetch_window_us"] is not None]
         if windows:     # auto prefetch: the link's idle time per layer it measured (after batch 8)
             out["prefetch_window_us"] = sum(windows) / len(windows)
+        by_rank = report["counters"]["prefetch_accuracy_by_rank"][:8]
+        if by_rank:     # how often the likeliest guess, the next, ... was right
+            out["guess_accuracy_by_rank"] = " ".join(f"{a:.2f}" for a in by_rank)
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
