@@ -12,7 +12,9 @@ op is compute-heavy. MoE decode at batch 1 should reach >= 70% of the copy ceili
 fused_moe counts only the expert weights streamed (unique experts touched x expert bytes),
 and times both of its forms at decode sizes, T = 1..64: the GEMV pair ("gemv") and the
 sorted, grouped GEMMs ("grouped"); a closing table says which is faster at each T, which is
-where triton_kernels.fused_moe._GEMV_MAX_TOKENS belongs.
+where triton_kernels.fused_moe._GEMV_MAX_TOKENS belongs. Its rows also give the tuned
+config's relative error against the reference on the same inputs (the kernel tests on CUDA
+run one fixed config, so this is where the tuned ones are checked).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Case:
     bytes: float                  # read + written by the op, at least once each
     flops: float = 0.0            # reported as TFLOP/s when non-zero
     variant: str = ""             # one of several forms of the op timed on the same shape
+    # () -> (output, reference output) on the same inputs: the autotuned config's answer
+    # checked where it runs (the kernel tests on CUDA use one fixed config)
+    check: Callable[[], tuple] | None = None
 
 
 def parse_args(argv=None):
@@ -217,13 +222,17 @@ def fused_moe_cases(dt):
             return fn(x, w13, w2, w, ids, **kwargs)
 
         paths = ("gemv", "grouped") if t in MOE_DECODE_TOKENS else ("grouped",)
+        w0, ids0 = routings[0]
         for path in paths:
             # The reference is timed once per shape, on the first form's row.
             yield Case("fused_moe", f"T={t} E={EXPERTS} k={TOP_K} I={WIDTH}",
                        lambda run=run, path=path: run(fused_moe_triton, path=path),
                        (lambda run=run: run(fused_moe_reference)) if path == paths[0] else None,
                        unique * expert_bytes, flops=2 * t * TOP_K * 3 * HIDDEN * WIDTH,
-                       variant=path)
+                       variant=path,
+                       check=lambda x=x, w0=w0, ids0=ids0, path=path: (
+                           fused_moe_triton(x, w13, w2, w0, ids0, path=path),
+                           fused_moe_reference(x, w13, w2, w0, ids0)))
 
 
 CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "silu_and_mul": silu_and_mul_cases,
@@ -249,6 +258,14 @@ def print_fastest_forms(forms: dict) -> None:
         print(f"  {op:<10} {shape:<34} {line}")
 
 
+def relative_error(case: Case) -> str:
+    """max |out - ref| / max |ref| of the tuned kernel against its reference, or '-'."""
+    if case.check is None:
+        return "-"
+    out, ref = case.check()
+    return f"{((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item():.1e}"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -261,7 +278,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: memory copy ceiling {ceiling / 1e9:.0f} GB/s "
           f"(1 GiB device-to-device, read + write), dtype {args.dtype}\n")
     header = (f"{'op':<18} {'shape':<34} {'triton us':>10} {'graph us':>9} {'ref us':>10} "
-              f"{'speedup':>8} {'GB/s':>7} {'of copy':>8} {'TFLOP/s':>8}")
+              f"{'speedup':>8} {'GB/s':>7} {'of copy':>8} {'TFLOP/s':>8} {'rel err':>8}")
     print(header)
     print("-" * len(header))
     forms = {}          # (op, shape) -> {variant: (eager s, graph s or None)}
@@ -279,7 +296,8 @@ def main(argv=None) -> int:
                   f"{'-' if ref is None else f'{ref * 1e6:.1f}':>10} "
                   f"{'-' if ref is None else f'{ref / eager:.2f}x':>8} "
                   f"{gbs / 1e9:>7.0f} {gbs / ceiling:>8.0%} "
-                  f"{f'{case.flops / kernel_time / 1e12:.1f}' if case.flops else '-':>8}")
+                  f"{f'{case.flops / kernel_time / 1e12:.1f}' if case.flops else '-':>8} "
+                  f"{relative_error(case):>8}")
             if case.variant:
                 forms.setdefault((case.op, case.shape), {})[case.variant] = (eager, graph)
     print_fastest_forms(forms)

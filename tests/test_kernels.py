@@ -1,8 +1,11 @@
-"""Each Triton kernel against its torch reference, on odd shapes, in float32 and float16.
+"""Each Triton kernel against its torch reference, on odd shapes: float32 and float16 in the
+interpreter, float16 and bfloat16 on a GPU.
 
 Without a GPU the launchers run in Triton's interpreter on CPU tensors (conftest.py sets
 TRITON_INTERPRET=1 before triton_kernels imports), so shapes stay small where the point is the
-tiling logic. bfloat16 is left out: the interpreter's bf16 loads return garbage.
+tiling logic. bfloat16 runs only on a GPU: the interpreter's bf16 loads return garbage. On a
+GPU the autotuned kernels run one fixed config here (tuning every shape tried would take
+minutes); bench/kernels.py checks the tuned configs' outputs.
 """
 
 import importlib
@@ -26,25 +29,33 @@ from triton_kernels.topk_softmax import topk_softmax_reference, topk_softmax_tri
 # The module itself (the package's `fused_moe` attribute is the op), to patch its globals.
 fused_moe_module = importlib.import_module("triton_kernels.fused_moe")
 
-DTYPES = [torch.float32, torch.float16]
+# On a GPU the serving dtypes, fast to compile (float32's "ieee" dots spill and take seconds
+# each); the interpreter checks float32 and float16.
+DTYPES = ([torch.float16, torch.bfloat16] if torch.cuda.is_available()
+          else [torch.float32, torch.float16])
 
 
 @pytest.fixture(autouse=True)
 def _kernel_device():
-    """On a GPU machine the same tests run the compiled kernels on CUDA tensors; without one,
-    CPU tensors go through Triton's interpreter (conftest sets TRITON_INTERPRET)."""
+    """On a GPU machine the same tests run the compiled kernels on CUDA tensors, autotuned
+    kernels with one fixed config; without one, CPU tensors go through Triton's interpreter
+    (conftest sets TRITON_INTERPRET)."""
     if torch.cuda.is_available():
         torch.set_default_device("cuda")
+        tk.set_fixed_configs(True)
         yield
+        tk.set_fixed_configs(False)
         torch.set_default_device("cpu")
     else:
         yield
 
 # Elementwise and row-wise ops round the same way as their references: a few ulps at most.
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 # Reductions over hundreds of terms in a different order (the MoE reference even accumulates
 # its index_add in float16): a few float16 ulps of outputs around 1.
-TOL_ACCUM = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=6e-3, rtol=6e-3)}
+TOL_ACCUM = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=6e-3, rtol=6e-3),
+             torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float,

@@ -5,7 +5,7 @@ kernel, anything else runs the torch reference (which is also the correctness or
 This package knows nothing of requests, models or the server: it imports torch and triton only.
 """
 
-from triton_kernels._dispatch import set_backend, get_backend
+from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs
 from triton_kernels.rms_norm import rms_norm, rms_norm_reference
 from triton_kernels.rope import apply_rope, apply_rope_reference
 from triton_kernels.silu_mul import silu_and_mul, silu_and_mul_reference
@@ -16,7 +16,7 @@ from triton_kernels.kv_write import write_kv, write_kv_reference
 from triton_kernels.paged_attention import paged_attention, paged_attention_reference
 
 __all__ = [
-    "set_backend", "get_backend",
+    "set_backend", "get_backend", "set_fixed_configs",
     "rms_norm", "rms_norm_reference",
     "apply_rope", "apply_rope_reference",
     "silu_and_mul", "silu_and_mul_reference",

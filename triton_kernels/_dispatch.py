@@ -56,6 +56,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+_fixed_configs = False
+
+
+def set_fixed_configs(on: bool) -> None:
+    """Launch autotuned kernels with one fixed config instead of tuning: the kernel tests on
+    a GPU check correctness, and tuning every shape they try would take minutes."""
+    global _fixed_configs
+    _fixed_configs = on
+
+
+def fixed_configs() -> bool:
+    return _fixed_configs or interpreting()
+
+
 def use_triton(t) -> bool:
     """True when an op on tensor `t` should run its Triton kernel."""
     if _backend == "reference":

@@ -23,7 +23,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from triton_kernels._dispatch import interpreting, tl, triton, use_triton
+from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
 from triton_kernels.moe_align import moe_align
 
 
@@ -284,8 +284,10 @@ def _configs(block_n_k_warps_stages):
 # every SM streaming weights, deep K tiles and stages keep the loads in flight.
 _DECODE_CONFIGS = _configs([(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3),
                             (64, 128, 4, 4), (64, 64, 4, 5), (128, 64, 4, 4)])
+# gemm1 holds two weight tiles per stage: stages * (BLOCK_M * BLOCK_K + 2 * BLOCK_K * BLOCK_N)
+# * 2 bytes must fit sm_90's 227 KB of shared memory in bf16 at BLOCK_M 64.
 _PREFILL_CONFIGS = _configs([(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3),
-                             (64, 128, 4, 3), (128, 128, 8, 3)])
+                             (64, 128, 4, 3), (128, 128, 8, 2)])
 # GEMV: one row per program, memory bound. At batch 1 GEMV2 has only D / BLOCK_N programs
 # (2048 / 16 = 128 < 132 SMs on an H200), hence N tiles down to 4; long K tiles put more
 # contiguous bytes of each weight row in flight per load. num_stages matters only where
@@ -294,6 +296,7 @@ _PREFILL_CONFIGS = _configs([(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 3),
 _GEMV_CONFIGS = _configs([(4, 256, 2, 2), (4, 512, 4, 2), (8, 256, 4, 2), (8, 512, 8, 2),
                           (16, 128, 4, 3), (16, 256, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3)])
 _INTERPRETER_CONFIG = dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+_FIXED_GPU_CONFIG = dict(BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3)   # valid for every form
 _AUTOTUNE_KEY = ["M_BUCKET", "BLOCK_M", "N", "K"]     # + the tensors' dtypes, added by triton
 _GEMV_AUTOTUNE_KEY = ["M_BUCKET", "N", "K"]
 # Autotune results persist in triton's cache dir where triton supports it (>= 3.4).
@@ -311,9 +314,10 @@ _GEMV2 = triton.autotune(configs=_GEMV_CONFIGS, key=_GEMV_AUTOTUNE_KEY, **_CACHE
 
 def _launch(kernel, tuned, grid, args: tuple, **kwargs):
     """grid(BLOCK_N) -> launch grid. Autotuned on a GPU; one fixed config under the
-    interpreter, which cannot tune."""
-    if interpreting():
-        kernel[grid(_INTERPRETER_CONFIG["BLOCK_N"])](*args, **kwargs, **_INTERPRETER_CONFIG)
+    interpreter, which cannot tune, and when set_fixed_configs(True) asks for one."""
+    if fixed_configs():
+        config = _INTERPRETER_CONFIG if interpreting() else _FIXED_GPU_CONFIG
+        kernel[grid(config["BLOCK_N"])](*args, **kwargs, **config)
     else:
         tuned[lambda meta: grid(meta["BLOCK_N"])](*args, **kwargs)
 

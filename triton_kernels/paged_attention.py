@@ -128,11 +128,11 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_q_ptr, seq
                           G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                           DOT_PRECISION: tl.constexpr):
-    # Grid (B, query blocks, Hk). A program's BLOCK_M = BLOCK_Q * G_PAD rows are BLOCK_Q
+    # Grid (query blocks, B, Hk). A program's BLOCK_M = BLOCK_Q * G_PAD rows are BLOCK_Q
     # query tokens times the G query heads sharing kv_head, so each K/V tile is read once
     # for the whole group. Row r is token r // G_PAD, head kv_head * G + r % G_PAD.
-    b = tl.program_id(0)
-    q_block = tl.program_id(1)
+    q_block = tl.program_id(0)      # axis 0: up to 2^31 - 1 blocks; axes 1 and 2 stop at 65535
+    b = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
@@ -330,7 +330,7 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_
     cfg = _attention_config(d_pad, decode=False)
     g_pad = triton.next_power_of_2(g)
     block_q = max(1, cfg.pop("BLOCK_M") // g_pad)
-    _paged_prefill_kernel[(b, triton.cdiv(max_seqlen_q, block_q), hk)](
+    _paged_prefill_kernel[(triton.cdiv(max_seqlen_q, block_q), b, hk)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, qk_scale, *strides,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=d, D_PAD=d_pad, DOT_PRECISION=precision,
         **cfg)
