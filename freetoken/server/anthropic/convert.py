@@ -17,7 +17,8 @@ from __future__ import annotations
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.server.generation import ChatRequest
 from freetoken.server.model_meta import EFFORTS
-from freetoken.server.openai.params import bad, get_dict, get_int, sampling_fields, sampling_params
+from freetoken.server.openai.params import (bad, get_dict, get_int, map_list, sampling_fields,
+                                            sampling_params)
 from freetoken.server.tools import check_tool_choice, check_tools
 
 
@@ -116,20 +117,17 @@ def _blocks_text(value, param: str) -> str:
 
 
 def _chat_tools(tools):
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad("tools", "'tools' must be a list")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
-            raise bad(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported")
-        fn = {"name": t.get("name")}
-        if t.get("description"):
-            fn["description"] = t["description"]
-        fn["parameters"] = t["input_schema"]
-        out.append({"type": "function", "function": fn})
-    return out
+    return map_list(tools, "tools", _chat_tool)
+
+
+def _chat_tool(i: int, t) -> dict:
+    if not isinstance(t, dict) or t.get("type", "custom") != "custom" or "input_schema" not in t:
+        raise bad(f"tools.{i}", "only custom tools ({name, description, input_schema}) are supported")
+    fn = {"name": t.get("name")}
+    if t.get("description"):
+        fn["description"] = t["description"]
+    fn["parameters"] = t["input_schema"]
+    return {"type": "function", "function": fn}
 
 
 def _tool_choice(choice):

@@ -58,6 +58,16 @@ def get_dict(body: dict, name: str) -> dict:
     return value
 
 
+def map_list(value, param: str, convert) -> list | None:
+    """None, or [convert(i, item)] over a list (each dialect's tools to Chat Completions'
+    shape); anything but a list is a 400 naming param."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise bad(param, f"'{param}' must be a list")
+    return [convert(i, item) for i, item in enumerate(value)]
+
+
 def sampling_fields(body: dict, max_temperature: float) -> dict:
     """temperature, top_p and top_k, which every dialect takes (temperature up to 2 in OpenAI's
     APIs, up to 1 in Anthropic's), validated in that order."""

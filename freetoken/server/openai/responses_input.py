@@ -10,7 +10,8 @@ become `tool` messages, as a chat template expects them.
 from __future__ import annotations
 
 from freetoken.server.generation import ChatRequest
-from freetoken.server.openai.params import bad, get_bool, get_dict, get_int, sampling_fields, sampling_params
+from freetoken.server.openai.params import (bad, get_bool, get_dict, get_int, map_list,
+                                            sampling_fields, sampling_params)
 from freetoken.server.tools import check_tool_choice, check_tools
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -120,18 +121,15 @@ def _str(item: dict, key: str, i: int) -> str:
 def _chat_tools(tools):
     """Responses' flat function tools ({"type": "function", "name", "parameters"}) in Chat
     Completions' shape; built-in tools (web search, ...) are refused."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad("tools", "'tools' must be a list")
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise bad(f"tools[{i}]", f"only function tools are supported, got {kind!r}")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+    return map_list(tools, "tools", _chat_tool)
+
+
+def _chat_tool(i: int, t) -> dict:
+    if not isinstance(t, dict) or t.get("type") != "function":
+        kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+        raise bad(f"tools[{i}]", f"only function tools are supported, got {kind!r}")
+    fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+    return {"type": "function", "function": fn}
 
 
 def _tool_choice(choice, tools):
