@@ -72,9 +72,14 @@ def record_trace(skewed: bool, batch: int, steps: int, seed: int = 0) -> Routing
     return trace
 
 
+def cache_slots(trace: RoutingTrace, rate: float) -> int:
+    """`rate` of all experts, but at least what the busiest layer step needs at once."""
+    return max(int(rate * len(trace.layers) * trace.num_experts),
+               max(len(r.experts) for s in trace.steps for r in s.routes))
+
+
 def compare(trace: RoutingTrace, rate: float) -> list[dict]:
-    slots = max(int(rate * len(trace.layers) * trace.num_experts),
-                max(len(r.experts) for s in trace.steps for r in s.routes))
+    slots = cache_slots(trace, rate)
     best = belady_fetches(trace, slots)
     rows = []
     for r in [best] + [replay(trace, slots, policy, prefetch=pf) for policy, pf in ARMS]:
@@ -87,8 +92,7 @@ def compare(trace: RoutingTrace, rate: float) -> list[dict]:
 
 
 def depth_sweep(trace: RoutingTrace, rate: float, depths=(0, 1, 2, 4, None)) -> list[dict]:
-    slots = max(int(rate * len(trace.layers) * trace.num_experts),
-                max(len(r.experts) for s in trace.steps for r in s.routes))
+    slots = cache_slots(trace, rate)
     rows = []
     for depth in depths:
         r = replay(trace, slots, "lfu-decay", prefetch=depth != 0, depth=depth)
