@@ -140,3 +140,18 @@ def test_failed_load_reports_error(tmp_path):
             time.sleep(0.1)
         assert status == 503 and "supports" in body["detail"]
         assert s.request("GET", "/v1/models")[0] == 503
+        # Not a zombie: the process exits non-zero by itself so a supervisor sees it.
+        assert s.proc.wait(30) == 1
+        assert "cannot serve model" in s.logs() and "Traceback" not in s.logs()
+
+
+@pytest.mark.parametrize("model, hint", [("/nonexistent/model", "there is no folder"),
+                                         ("nobody-org/not-cached-model", "hf download")])
+def test_unloadable_model_exits_nonzero_with_one_paragraph(tmp_path, model, hint):
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    with ServerProcess(model, wait_ready=False, env=env) as s:
+        assert s.proc.wait(30) == 1
+        logs = s.logs()
+    errors = [line for line in logs.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and hint in errors[0] and model in errors[0], logs
+    assert "Traceback" not in logs

@@ -60,6 +60,8 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
                 f"model {text!r} is not a local folder and is not in the Hugging Face cache; "
                 f"FreeToken does not download. Fetch it first (`hf download {text}`) or pass "
                 f"a folder.") from e
+    if text.startswith(("/", ".", "~")) or text.count("/") > 1:
+        raise CheckpointError(f"there is no folder {str(path)!r}")
     raise CheckpointError(f"model {text!r} is neither a folder nor a hub id (org/name)")
 
 

@@ -52,19 +52,23 @@ class ServingApp:
         self.router = self._routes()
 
     # -- loading --------------------------------------------------------------------------
-    async def load(self) -> None:
-        """Load the model off the event loop, then start the engine loop on it."""
+    async def load(self) -> bool:
+        """Load the model off the event loop, then start the engine loop on it. False when
+        loading failed: /health then says why, and the caller exits non-zero."""
         try:
             core = await asyncio.get_running_loop().run_in_executor(None, self._load_blocking)
-        except Exception as e:  # noqa: BLE001 - reported on /health; the process stays up
-            log.exception("loading failed")
+        except Exception as e:  # noqa: BLE001 - reported on /health and in one paragraph
             self.status, self.error = "error", f"{type(e).__name__}: {e}"
-            return
+            log.error("%s", load_failure_paragraph(self.engine_config.model, e))
+            if not isinstance(e, EXPECTED_LOAD_ERRORS):
+                log.error("the traceback of that unexpected error:", exc_info=e)
+            return False
         self.engine = AsyncEngine(core, step_delay_s=env.debug_step_delay_s())
         self.engine.start()
         self.status, self.phase = "ok", "ready"
         log.info("ready: serving %s (context %d tokens)", self.server_config.served_model_name,
                  self.max_model_len)
+        return True
 
     def _load_blocking(self) -> EngineCore:
         from freetoken.engine.model_runner import ModelRunner
@@ -297,3 +301,37 @@ def _gpu_identity(device) -> dict | None:
     props = torch.cuda.get_device_properties(index)
     return {"name": props.name, "uuid": gpu_uuid(index),
             "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory}
+
+
+def _expected_load_errors() -> tuple[type[BaseException], ...]:
+    from freetoken.models.config import ModelConfigError
+    from freetoken.models.loader import CheckpointError
+    from freetoken.models.registry import UnsupportedModelError
+    from freetoken.moe.plan import MoePlanError
+    return (CheckpointError, ModelConfigError, UnsupportedModelError, MoePlanError)
+
+
+# Errors that describe the checkpoint or the machine, not a bug: their message is the news,
+# so no traceback follows it.
+EXPECTED_LOAD_ERRORS = _expected_load_errors()
+
+
+def load_failure_paragraph(model: str, error: Exception) -> str:
+    """What was asked, why it cannot load, and what to do, in one paragraph for the log."""
+    from freetoken.models.config import ModelConfigError
+    from freetoken.models.registry import UnsupportedModelError
+    from freetoken.moe.plan import MoePlanError
+
+    if isinstance(error, UnsupportedModelError):
+        todo = "Serve a checkpoint of a supported family."
+    elif isinstance(error, ModelConfigError):
+        todo = "Check that the folder is a complete Hugging Face checkpoint (config.json, *.safetensors, tokenizer.json)."
+    elif isinstance(error, MoePlanError):
+        todo = "Give the experts more memory or change the --moe-* flags (see README, Experts in RAM)."
+    elif isinstance(error, EXPECTED_LOAD_ERRORS):
+        todo = ("FreeToken serves a local checkpoint folder, or a hub id already in the Hugging Face "
+                "cache (`hf download ORG/NAME` fetches one); it never downloads.")
+    else:
+        todo = "This looks like a bug in FreeToken: the traceback follows; please report it."
+    return (f"cannot serve model {model!r}: {type(error).__name__}: {error}. {todo} "
+            f"/health answers 503 with this error until the server exits with status 1.")

@@ -2,7 +2,8 @@
 
 Order matters for gateways: bind first (so /health answers at once), then load the model
 in a worker thread, then serve. SIGINT/SIGTERM stop accepting, let running requests finish
-for up to shutdown_timeout_s, abort the rest, and exit 0.
+for up to shutdown_timeout_s, abort the rest, and exit 0. A model that cannot load is
+logged as one paragraph, reported by /health for LOAD_ERROR_LINGER_S, and exits 1.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from freetoken.server.config import ServerConfig
 from freetoken.server.http import HttpConfig, start_server
 
 log = logging.getLogger("freetoken.server")
+LOAD_ERROR_LINGER_S = 3.0   # /health reports a failed load this long before the process exits
 
 
 def _loop_factory():
@@ -54,11 +56,24 @@ async def _serve(server: ServerConfig, engine: EngineConfig, scheduler: Schedule
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loader = asyncio.create_task(app.load(), name="load-model")
-    await stop.wait()
+    stopping = asyncio.create_task(stop.wait(), name="wait-for-signal")
+    await asyncio.wait((loader, stopping), return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if loader.done() and not loader.result():
+        # A supervisor must see the failure: linger so pollers read /health's error, then
+        # exit non-zero (a signal meanwhile ends the wait early).
+        status = 1
+        try:
+            await asyncio.wait_for(stop.wait(), LOAD_ERROR_LINGER_S)
+        except asyncio.TimeoutError:
+            pass
+    else:
+        await stopping
+    stopping.cancel()
     log.info("shutting down: no new connections; finishing running requests")
     http.close()
     loader.cancel()
     await app.shutdown(server.shutdown_timeout_s)
     await http.shutdown(timeout=1.0)
-    log.info("bye")
-    return 0
+    log.info("bye" if status == 0 else "exiting with status 1: the model could not be loaded")
+    return status
