@@ -42,6 +42,45 @@ VARIANTS = {
                             decoder_sparse_step=2, num_hidden_layers=3, num_experts=4,
                             num_experts_per_tok=2),
     },
+    "gpt_oss": {
+        # The 13-token prompt and 24 decoded tokens run well past the windows.
+        "gqa_window6": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_local_experts=8, num_experts_per_tok=2, sliding_window=6),
+        "mqa_window3_top3": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                                 num_hidden_layers=3, num_local_experts=6,
+                                 num_experts_per_tok=3, sliding_window=3, swiglu_limit=1.5),
+    },
+    "glm4_moe": {
+        "groups_shared_qknorm": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     num_hidden_layers=3, n_routed_experts=8,
+                                     num_experts_per_tok=3, n_group=4, topk_group=2,
+                                     n_shared_experts=1, routed_scaling_factor=2.5,
+                                     use_qk_norm=True, attention_bias=True),
+        "one_group_no_norm": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                  n_routed_experts=6, num_experts_per_tok=2, n_group=1,
+                                  topk_group=1, n_shared_experts=2, norm_topk_prob=False),
+    },
+    "minimax_m2": {
+        "gqa_partial_rotary": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   rotary_dim=8, num_local_experts=8, num_experts_per_tok=2),
+        "mha_top3": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                         num_local_experts=6, num_experts_per_tok=3),
+    },
+    "ernie4_5_moe": {
+        "bias_shared": dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                            moe_num_experts=8, moe_k=2, moe_num_shared_experts=1, use_bias=True,
+                            tie_word_embeddings=False),
+        "tied_interval2": dict(num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=4,
+                               moe_num_experts=6, moe_k=3, moe_num_shared_experts=0,
+                               moe_layer_start_index=0, moe_layer_interval=2,
+                               tie_word_embeddings=True),
+    },
+    "olmoe": {
+        "gqa_norm_topk": dict(num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                              num_experts_per_tok=2, norm_topk_prob=True),
+        "mha_clip": dict(num_attention_heads=4, num_key_value_heads=4, num_experts=6,
+                         num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=0.5),
+    },
 }
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -50,6 +89,11 @@ FAMILY_BASE = {
     "qwen3_moe": dict(moe_intermediate_size=32),
     "mixtral": dict(),
     "qwen2_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "olmoe": dict(intermediate_size=32),
+    "gpt_oss": dict(intermediate_size=32),
+    "glm4_moe": dict(moe_intermediate_size=32, first_k_dense_replace=1),
+    "minimax_m2": dict(intermediate_size=32),
+    "ernie4_5_moe": dict(moe_intermediate_size=32),
 }
 
 
@@ -59,22 +103,37 @@ def hf_classes(family):
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
+        "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
     }[family]
 
 
 def redraw_weights(model, seed: int) -> None:
+    """Every parameter and buffer (router selection biases too; not the RoPE tables)."""
     g = torch.Generator().manual_seed(seed)
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers()
+                                            if "inv_freq" not in n)]
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in tensors:
+            leaf = name.rsplit(".", 1)[-1]
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif leaf == "sinks":
+                p.copy_(torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                fan_in = p.shape[-1]
-                router = name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight")
+                # gpt-oss stores its experts transposed ([E, D, 2I], x @ W): fan-in is dim -2.
+                transposed = leaf in ("gate_up_proj", "down_proj") and type(
+                    model).__name__.startswith("GptOss")
+                fan_in = p.shape[-2] if transposed else p.shape[-1]
+                router = (name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight")
+                          or name.endswith("mlp.router.weight"))
                 std = (4.0 if router else 1.0) / math.sqrt(fan_in)
                 p.copy_(std * torch.randn(p.shape, generator=g))
 

@@ -13,18 +13,19 @@ from freetoken.moe.config import MoeConfig, parse_cpu_layers
 from freetoken.moe.plan import (DeviceMemory, MoePlanError, MoeShape, auto_cache_budget,
                                 hybrid_k, plan_moe, resolve_cpu_layers)
 from freetoken.moe.policy import LFUDecayPolicy, LRUPolicy, make_policy
+from freetoken.moe.layout import ExpertLayout
 from freetoken.moe.store import ExpertStore
 
 MiB, GiB = 2 ** 20, 2 ** 30
 
 
 def make_store(num_layers=4, num_experts=8, hidden=8, width=4, seed=0) -> ExpertStore:
-    store = ExpertStore(tuple(range(num_layers)), num_experts, hidden, width, torch.float32,
-                        available_bytes=GiB)
+    store = ExpertStore(tuple(range(num_layers)), num_experts,
+                        ExpertLayout(hidden, width, torch.float32), available_bytes=GiB)
     g = torch.Generator().manual_seed(seed)
     for layer in store.layers:       # distinct random weights: a mixed-up slot cannot pass
-        store.w13[layer].copy_(torch.randn(store.w13[layer].shape, generator=g))
-        store.w2[layer].copy_(torch.randn(store.w2[layer].shape, generator=g))
+        for t in store.bank(layer).values():
+            t.copy_(torch.randn(t.shape, generator=g))
     return store
 
 
@@ -32,8 +33,8 @@ def assert_consistent(cache: ExpertCache, store: ExpertStore) -> None:
     """Every mapped slot holds its expert's weights; maps, owners and free slots agree."""
     for (layer, e), slot in cache.slot_of.items():
         assert cache.owner[slot] == (layer, e)
-        assert torch.equal(cache.w13_pool[slot], store.w13[layer][e]), f"slot {slot} != {layer}/{e} w13"
-        assert torch.equal(cache.w2_pool[slot], store.w2[layer][e]), f"slot {slot} != {layer}/{e} w2"
+        for name, pool in cache.pool.items():
+            assert torch.equal(pool[slot], store.bank(layer)[name][e]), f"slot {slot} != {layer}/{e} {name}"
     assert len(set(cache.slot_of.values())) == len(cache.slot_of)
     assert sum(o is not None for o in cache.owner) == len(cache.slot_of)
     for layer in cache.layers:
@@ -279,8 +280,8 @@ def test_moe_config_is_validated(kwargs, match):
 
 def test_store_checks_host_memory_and_pins_only_with_cuda():
     with pytest.raises(MoePlanError, match="host RAM"):
-        ExpertStore((0, 1), 8, 64, 32, torch.float32, available_bytes=1000)
+        ExpertStore((0, 1), 8, ExpertLayout(64, 32, torch.float32), available_bytes=1000)
     store = make_store()
     assert store.pinned_bytes == 0 and store.pin_budget_bytes == 0
     assert store.expert_bytes == 3 * 8 * 4 * 4 and store.total_bytes == 4 * 8 * store.expert_bytes
-    assert store.w13[0].shape == (8, 8, 8) and store.w2[0].shape == (8, 8, 4)
+    assert store.bank(0)["w13"].shape == (8, 8, 8) and store.bank(0)["w2"].shape == (8, 8, 4)

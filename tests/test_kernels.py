@@ -109,20 +109,43 @@ def test_rms_norm_float32_weight_promotes_and_strided_rows():
 
 # ---- rope -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [1, 7, 127])
 @pytest.mark.parametrize("hq,hk,d,rot", [(8, 2, 64, 64), (4, 4, 80, 80), (16, 2, 128, 64)])
-def test_rope(t, hq, hk, d, rot, dtype):
+def test_rope(t, hq, hk, d, rot, dtype, interleaved):
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     angles = torch.arange(4096).float()[:, None] * inv_freq[None, :]
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
     positions = torch.randint(0, 4096, (t,))
     q, k = torch.randn(t, hq, d, dtype=dtype), torch.randn(t, hk, d, dtype=dtype)
-    q_ref, k_ref = apply_rope_reference(q.clone(), k.clone(), positions, cos_sin)
-    q_out, k_out = apply_rope_triton(q, k, positions, cos_sin)
+    q_ref, k_ref = apply_rope_reference(q.clone(), k.clone(), positions, cos_sin, interleaved)
+    q_out, k_out = apply_rope_triton(q, k, positions, cos_sin, interleaved)
     assert q_out is q and k_out is k, "rope must rotate in place"
     assert_close(q, q_ref, **TOL[dtype], what="q")
     assert_close(k, k_ref, **TOL[dtype], what="k")
+
+
+def test_rope_reference_layouts_match_a_naive_rotation():
+    # Pair i rotated by angle position * inv_freq[i]: NeoX pairs (i, R/2 + i), interleaved (2i, 2i+1).
+    rot, d = 8, 12
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    positions = torch.tensor([0, 3, 17])
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)
+    table = torch.zeros(32, rot)
+    table[positions] = cos_sin
+    for interleaved in (False, True):
+        q = torch.randn(3, 2, d)
+        want = q.clone()
+        for t in range(3):
+            for i in range(rot // 2):
+                a, b = (2 * i, 2 * i + 1) if interleaved else (i, rot // 2 + i)
+                c, s = angles[t, i].cos(), angles[t, i].sin()
+                want[t, :, a] = q[t, :, a] * c - q[t, :, b] * s
+                want[t, :, b] = q[t, :, b] * c + q[t, :, a] * s
+        got, _ = apply_rope_reference(q.clone(), torch.randn(3, 1, d), positions, table, interleaved)
+        assert_close(got, want, atol=1e-6, rtol=1e-6, what=f"interleaved={interleaved}")
 
 
 # ---- silu_and_mul ---------------------------------------------------------------------------

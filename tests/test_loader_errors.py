@@ -109,7 +109,7 @@ def test_not_found_and_uncached_hub_id(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     with pytest.raises(CheckpointError, match="nobody-here/no-such-model"):
         resolve_model_path("nobody-here/no-such-model")
-    with pytest.raises(CheckpointError, match="neither a folder"):
+    with pytest.raises(CheckpointError, match="there is no folder"):
         resolve_model_path(str(tmp_path / "absent" / "deeper" / "x"))
 
 

@@ -1,5 +1,5 @@
 """Every MoE backend against the resident run, end to end through LLM on tiny checkpoints of
-all three families (written by transformers): the same greedy tokens (a batch mixing chunked
+every family (written by transformers): the same greedy tokens (a batch mixing chunked
 prefill and decodes) and logits within 1e-5 relative, for cache sizes from the one-layer
 minimum to every expert; plus the report /v1/instrumentation serves, and the startup errors.
 """
@@ -23,6 +23,11 @@ CASES = [
     ("mixtral", "mha_top1"),               # top-1
     ("qwen2_moe", "gqa_shared"),           # shared expert behind a sigmoid gate
     ("qwen2_moe", "dense_mixed"),          # dense and sparse layers mixed, shared expert
+    ("olmoe", "gqa_norm_topk"),            # q/k norm across heads
+    ("gpt_oss", "gqa_window6"),            # expert biases, clamped SwiGLU, router bias
+    ("glm4_moe", "groups_shared_qknorm"),  # grouped sigmoid router, scaling, shared experts
+    ("minimax_m2", "gqa_partial_rotary"),  # sigmoid router with its bias beside it
+    ("ernie4_5_moe", "bias_shared"),       # softmax router with a selection bias
 ]
 # (name, LLM kwargs); moe_cache_size "min" = one layer's experts (the floor), "mid" = halfway
 # to every expert. Without a size, offload on a CPU device caches every expert.
@@ -147,10 +152,9 @@ def test_offloaded_banks_are_the_store_filled_by_the_loader(ckpt_root):
     ref_blocks, blocks = ref.runner.model.moe_blocks(), runner.model.moe_blocks()
     for i, block in blocks.items():
         # The model's bank parameters are the store's host tensors, not copies of them.
-        assert block.experts.w13.data_ptr() == store.w13[i].data_ptr()
-        assert block.experts.w2.data_ptr() == store.w2[i].data_ptr()
-        assert torch.equal(store.w13[i], ref_blocks[i].experts.w13)
-        assert torch.equal(store.w2[i], ref_blocks[i].experts.w2)
+        for name, host in store.bank(i).items():
+            assert getattr(block.experts, name).data_ptr() == host.data_ptr()
+            assert torch.equal(host, getattr(ref_blocks[i].experts, name))
         assert block.experts.runtime is not None and ref_blocks[i].experts.runtime is None
     runner.run([SeqChunk([1, 2, 3], 0, runner.allocator.allocate(1), True)])
     assert runner.moe_report()["counters"]["lookups"] > 0

@@ -64,6 +64,14 @@ def test_no_prefill_report_without_flag(model_dir):
         _, inst = server.request("GET", "/v1/instrumentation")
         assert inst["model"]["max_model_len"] == 512 and inst["device"]["type"] == "cpu"
         assert inst["kv_cache"]["tokens"] == inst["kv_cache"]["blocks"] * inst["kv_cache"]["block_size"]
+        # Bytes per token from the layers' specs, computed here from config.json.
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_layer = 2 * cfg["num_key_value_heads"] * head_dim * 4          # K and V, float32
+        layers = inst["kv_cache"]["layers"]
+        assert len(layers) == cfg["num_hidden_layers"]
+        assert {entry["bytes_per_token"] for entry in layers} == {per_layer}
+        assert inst["kv_cache"]["bytes_per_token"] == per_layer * cfg["num_hidden_layers"]
         # ft ctl against the same server
         for what in ("health", "stats", "models", "instrumentation"):
             out = subprocess.run([sys.executable, "-m", "freetoken.cli", "ctl", what, "--url", server.base],

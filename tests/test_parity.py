@@ -21,7 +21,8 @@ def ckpt_root(tmp_path_factory):
 
 def hf_model(path):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
 
 
 def rel_err(a, b):

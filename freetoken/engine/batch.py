@@ -4,9 +4,15 @@ T tokens of B sequences laid end to end. Built on the host by the model runner, 
 the device once per tensor, and passed explicitly down the model (no module-global context).
 """
 
+from __future__ import annotations
+
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from freetoken.engine.kv_cache import KVCache
 
 
 @dataclasses.dataclass
@@ -20,6 +26,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64, rows of T whose logits are wanted
     max_seqlen_q: int            # longest query span in this batch (1 = pure decode)
     num_seqs: int
+    kv: KVCache | None = None    # each layer's cache pool: batch.kv.layer(i)
 
     @property
     def num_tokens(self) -> int:

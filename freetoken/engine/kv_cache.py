@@ -1,13 +1,17 @@
 """The paged KV cache: fixed-size blocks of token slots, and the allocator that hands them out.
 
-Per layer, keys and values are [NB, BS, Hk, Dh] tensors (NB blocks of BS tokens). A sequence
-owns a block table (list of block ids); token position p lives in block table[p // BS] at
-offset p % BS. The allocator exposes check/do pairs so the scheduler can plan before acting.
+One pool per layer, shaped by the layer's AttentionSpec: keys [NB, BS, Hk, Dk] and values
+[NB, BS, Hk, Dv] (NB blocks of BS tokens). Every layer shares the block tables: a sequence owns
+a block table (list of block ids); token position p lives in block table[p // BS] at offset
+p % BS of every layer's pool. The allocator exposes check/do pairs so the scheduler can plan
+before acting. Layers find their pool through the ForwardBatch (`batch.kv.layer(i)`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from freetoken.engine.cache_spec import AttentionSpec, CacheSpec, bytes_per_token
 
 
 class BlockAllocator:
@@ -39,18 +43,32 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Allocates every layer's K and V tensors and binds them to the attention modules."""
+    """Allocates each layer's pool from its spec; one allocator for the shared block tables."""
 
-    def __init__(self, attention_layers, num_blocks: int, block_size: int, dtype, device):
-        first = attention_layers[0]
-        shape = (num_blocks, block_size, first.num_kv_heads, first.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in attention_layers]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in attention_layers]
-        for layer, k, v in zip(attention_layers, self.k, self.v):
-            layer.k_cache, layer.v_cache = k, v
+    def __init__(self, specs: dict[int, CacheSpec], num_blocks: int, block_size: int, dtype,
+                 device):
+        self.specs = dict(specs)
+        self.dtype = dtype
+        self._pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, spec in self.specs.items():
+            if not isinstance(spec, AttentionSpec):
+                raise TypeError(f"layer {layer}: no KV pool for a {type(spec).__name__}")
+            k = torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
+                            dtype=dtype, device=device)
+            v = torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.v_head_dim,
+                            dtype=dtype, device=device)
+            self._pools[layer] = (k, v)
         self.allocator = BlockAllocator(num_blocks, block_size)
 
-    @staticmethod
-    def bytes_per_token(attention_layers, dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * a.num_kv_heads * a.head_dim * elem for a in attention_layers)
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache [NB, BS, Hk, Dk], v_cache [NB, BS, Hk, Dv]) of one layer."""
+        return self._pools[index]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.specs, self.dtype)
+
+    def describe(self) -> list[dict]:
+        """Per layer, what it keeps: for /v1/instrumentation."""
+        return [{"layer": i, "kind": type(s).__name__, "spec": s.describe(),
+                 "bytes_per_token": s.bytes_per_token(self.dtype)} for i, s in self.specs.items()]

@@ -20,10 +20,10 @@ import torch
 import triton_kernels
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.config import EngineConfig
+from freetoken.engine.cache_spec import bytes_per_token
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
                                      resolve_model_path)
-from freetoken.models.rope import build_cos_sin
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
 from freetoken.moe.runtime import MoeRuntime
 from freetoken.moe.store import ExpertStore
@@ -59,6 +59,7 @@ class ModelRunner:
             self.expert_store = self._expert_store(blocks)
         host_banks = {blocks[i].experts: self.expert_store.bank(i)
                       for i in (self.expert_store.layers if self.expert_store else ())}
+        self.cache_specs = model.cache_specs()
         model = materialize(model, self.device, host_banks)
         load_weights(model, checkpoint_files(self.model_dir), progress)
         self.model = model.eval().requires_grad_(False)
@@ -68,26 +69,27 @@ class ModelRunner:
             log.warning("moe_trace=%s records nothing: every expert stays on the device (%s); "
                         "a trace needs experts in host RAM (e.g. moe_backend=offload)",
                         config.moe.trace_path, self.moe_plan.reason)
-        cos_sin = build_cos_sin(mc.rope, mc.head_dim, self.max_model_len, self.device)
-        layers = self.model.attention_layers()
-        for layer in layers:
-            layer.cos_sin = cos_sin
-        num_blocks = self._num_kv_blocks(layers)
-        self.kv = KVCache(layers, num_blocks, config.block_size, self.dtype, self.device)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)", num_blocks,
-                 config.block_size, num_blocks * config.block_size,
-                 num_blocks * config.block_size * KVCache.bytes_per_token(layers, self.dtype) / 2**20)
+        self.model.init_rope(self.max_model_len, self.device)
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCache(self.cache_specs, num_blocks, config.block_size, self.dtype, self.device)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %d bytes per token)",
+                 num_blocks, config.block_size, num_blocks * config.block_size,
+                 num_blocks * config.block_size * self.kv.bytes_per_token / 2**20,
+                 self.kv.bytes_per_token)
 
     def _plan_moe(self, model, blocks) -> MoePlan:
         """Resolve EngineConfig.moe against the meta-built model and the free memory."""
-        cfg, mc = self.config, self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        banks = {id(p) for b in blocks.values() for p in (b.experts.w13, b.experts.w2)}
+        cfg = self.config
+        banks = {id(p) for b in blocks.values() for p in b.experts.bank().values()}
+        first = next(iter(blocks.values()), None)
         shape = MoeShape(
-            moe_layers=tuple(blocks), num_experts=mc.num_experts, top_k=mc.num_experts_per_tok,
-            expert_bytes=3 * mc.moe_intermediate_size * mc.hidden_size * elem,
-            dense_bytes=sum(p.numel() * elem for p in model.parameters() if id(p) not in banks),
-            kv_bytes_per_token=KVCache.bytes_per_token(model.attention_layers(), self.dtype))
+            moe_layers=tuple(blocks),
+            num_experts=first.experts.num_experts if first else 0,
+            top_k=first.top_k if first else 0,
+            expert_bytes=first.experts.layout.expert_bytes if first else 0,
+            dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()
+                            if id(p) not in banks),
+            kv_bytes_per_token=bytes_per_token(model.cache_specs(), self.dtype))
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             mem = DeviceMemory("cuda", free, int(total * (1 - cfg.gpu_memory_utilization)))
@@ -105,18 +107,22 @@ class ModelRunner:
         return plan
 
     def _expert_store(self, blocks) -> ExpertStore:
-        m, mc = self.config.moe, self.model_config
+        m = self.config.moe
         budget = None if m.pin_budget_gb is None else int(m.pin_budget_gb * 2**30)
-        return ExpertStore(tuple(blocks), mc.num_experts, mc.hidden_size, mc.moe_intermediate_size,
-                           self.dtype, pin=self.device.type == "cuda", pin_budget_bytes=budget)
+        first = next(iter(blocks.values())).experts
+        layouts = {b.experts.layout for b in blocks.values()}
+        if len(layouts) != 1 or {b.experts.num_experts for b in blocks.values()} != {first.num_experts}:
+            raise NotImplementedError("experts off the device need every MoE layer to share one "
+                                      "expert layout and count (one slot pool serves them all)")
+        return ExpertStore(tuple(blocks), first.num_experts, first.layout,
+                           pin=self.device.type == "cuda", pin_budget_bytes=budget)
 
     def _moe_runtime(self, blocks) -> MoeRuntime:
-        # Prefetch guesses: a layer's router on the previous layer's hidden state ->
-        # (probabilities [T, k], expert ids [T, k]); the probabilities rank the guesses.
-        routers = {i: (lambda x, b=b: tuple(b.gate(x).float().softmax(-1).topk(b.top_k, dim=-1)))
-                   for i, b in blocks.items()}
+        # Prefetch guesses: a layer's own route() on the previous layer's hidden state ->
+        # (weights [T, k], expert ids [T, k]); the weights rank the guesses.
+        routers = {i: b.gate.route for i, b in blocks.items()}
         runtime = MoeRuntime(self.moe_plan, self.config.moe, self.expert_store, self.device,
-                             routers, self.model_config.num_experts_per_tok)
+                             routers, max(b.top_k for b in blocks.values()))
         for i, b in blocks.items():
             b.experts.runtime = runtime.layer_fn(i)
         if runtime.plan != self.moe_plan:     # auto weighed fetching against the CPU
@@ -135,10 +141,10 @@ class ModelRunner:
                     "hybrid_k": None, "prefetch": "off", "counters": None}
         return {**report, **self.moe.report()}
 
-    def _num_kv_blocks(self, layers) -> int:
+    def _num_kv_blocks(self) -> int:
         """Enough blocks for at least one sequence of max_model_len, more if memory allows."""
         cfg = self.config
-        per_token = KVCache.bytes_per_token(layers, self.dtype)
+        per_token = bytes_per_token(self.cache_specs, self.dtype)
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
         elif self.device.type == "cuda":
@@ -192,6 +198,7 @@ class ModelRunner:
             logits_indices=to_dev(logit_rows, torch.int64),
             max_seqlen_q=max(len(c.token_ids) for c in chunks),
             num_seqs=len(chunks),
+            kv=self.kv,
         )
 
     @torch.inference_mode()

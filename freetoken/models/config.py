@@ -1,7 +1,9 @@
-"""ModelConfig: the fields of a Hugging Face config.json that FreeToken's families read.
+"""ModelConfig: the fields of a Hugging Face config.json that every family has and the engine
+reads. Each family extends it with a frozen dataclass of its own fields (in its own file) and
+parses config.json with a ConfigReader.
 
 Hugging Face renamed fields across versions (rope_theta -> rope_parameters, num_experts vs
-num_local_experts), so parsing accepts both spellings and validates the result once.
+num_local_experts), so reading accepts several spellings and validates the result once.
 """
 
 from __future__ import annotations
@@ -29,24 +31,76 @@ class ModelConfig:
     moe_intermediate_size: int      # one expert's width
     num_experts: int
     num_experts_per_tok: int
-    norm_topk_prob: bool
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool            # q/k/v biases (qwen2_moe)
-    qk_norm: bool                   # per-head RMSNorm on q and k (qwen3_moe)
-    shared_expert_intermediate_size: int  # 0: no shared expert
-    mlp_only_layers: tuple[int, ...]
-    decoder_sparse_step: int
     rope: dict                      # rope_type, rope_theta and the type's parameters
     torch_dtype: str                # the checkpoint's dtype name, e.g. "bfloat16"
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        # The rule HF's qwen2_moe/qwen3_moe use; mixtral has every layer sparse.
-        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+class ConfigReader:
+    """Typed reads of config.json with a family's defaults; errors name the folder and field."""
+
+    def __init__(self, raw: dict, model_dir: Path, defaults: dict | None = None):
+        self.raw, self.model_dir, self.defaults = raw, Path(model_dir), defaults or {}
+
+    def get(self, name: str, *aliases: str, default=None):
+        for key in (name, *aliases):
+            if self.raw.get(key) is not None:
+                return self.raw[key]
+        if name in self.defaults:
+            return self.defaults[name]
+        if default is not None:
+            return default
+        raise ModelConfigError(f"config.json in {self.model_dir} lacks {name!r}")
+
+    def common(self, **overrides) -> dict:
+        """The ModelConfig fields, as keyword arguments (overrides win)."""
+        raw = self.raw
+        hidden = int(self.get("hidden_size"))
+        heads = int(self.get("num_attention_heads"))
+        fields = dict(
+            model_type=raw.get("model_type", ""),
+            architectures=tuple(raw.get("architectures") or ()),
+            vocab_size=int(self.get("vocab_size")),
+            hidden_size=hidden,
+            num_hidden_layers=int(self.get("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(self.get("num_key_value_heads", default=heads)),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            intermediate_size=int(self.get("intermediate_size")),
+            moe_intermediate_size=int(self.get("moe_intermediate_size", "intermediate_size")),
+            num_experts=int(self.get("num_experts", "num_local_experts", "n_routed_experts")),
+            num_experts_per_tok=int(self.get("num_experts_per_tok")),
+            rms_norm_eps=float(self.get("rms_norm_eps", default=1e-6)),
+            max_position_embeddings=int(self.get("max_position_embeddings", default=32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", self.defaults.get(
+                "tie_word_embeddings", False))),
+            rope=_rope(raw),
+            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            eos_token_ids=_eos_ids(raw, self.model_dir),
+            bos_token_id=raw.get("bos_token_id"),
+        )
+        fields.update(overrides)
+        return fields
+
+    def build(self, cls, **family_fields):
+        """cls(**common, **family_fields), validated; bad values become ModelConfigError."""
+        try:
+            cfg = cls(**self.common(**{k: v for k, v in family_fields.items()
+                                       if k in _COMMON}),
+                      **{k: v for k, v in family_fields.items() if k not in _COMMON})
+        except ModelConfigError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise ModelConfigError(f"bad value in {self.model_dir}/config.json: {e}") from e
+        validate(cfg, self.model_dir)
+        return cfg
+
+
+_COMMON = {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def read_config_json(model_dir: Path) -> dict:
@@ -88,58 +142,7 @@ def _rope(raw: dict) -> dict:
     return params
 
 
-def parse_config(raw: dict, model_dir: Path, *, family_defaults: dict) -> ModelConfig:
-    """Build a ModelConfig from config.json, with the family's defaults for absent fields."""
-    def get(name, *aliases, default=None):
-        for key in (name, *aliases):
-            if raw.get(key) is not None:
-                return raw[key]
-        if name in family_defaults:
-            return family_defaults[name]
-        if default is not None:
-            return default
-        raise ModelConfigError(f"config.json in {model_dir} lacks {name!r}")
-
-    try:
-        hidden = int(get("hidden_size"))
-        heads = int(get("num_attention_heads"))
-        head_dim = raw.get("head_dim") or hidden // heads
-        cfg = ModelConfig(
-            model_type=raw.get("model_type", ""),
-            architectures=tuple(raw.get("architectures") or ()),
-            vocab_size=int(get("vocab_size")),
-            hidden_size=hidden,
-            num_hidden_layers=int(get("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads", default=heads)),
-            head_dim=int(head_dim),
-            intermediate_size=int(get("intermediate_size")),
-            moe_intermediate_size=int(get("moe_intermediate_size", "intermediate_size")),
-            num_experts=int(get("num_experts", "num_local_experts")),
-            num_experts_per_tok=int(get("num_experts_per_tok")),
-            norm_topk_prob=bool(get("norm_topk_prob", default=False)),
-            rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
-            max_position_embeddings=int(get("max_position_embeddings", default=32768)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(get("attention_bias", "qkv_bias", default=False)),
-            qk_norm=bool(family_defaults.get("qk_norm", False)),
-            shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", default=0) or 0),
-            mlp_only_layers=tuple(int(i) for i in (raw.get("mlp_only_layers") or ())),
-            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-            rope=_rope(raw),
-            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            eos_token_ids=_eos_ids(raw, model_dir),
-            bos_token_id=raw.get("bos_token_id"),
-        )
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ModelConfigError):
-            raise
-        raise ModelConfigError(f"bad value in {model_dir}/config.json: {e}") from e
-    _validate(cfg, model_dir)
-    return cfg
-
-
-def _validate(cfg: ModelConfig, model_dir: Path) -> None:
+def validate(cfg: ModelConfig, model_dir: Path) -> None:
     problems = []
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         problems.append("num_attention_heads must be a multiple of num_key_value_heads")

@@ -22,17 +22,14 @@ from safetensors import safe_open
 from torch import nn
 
 from freetoken.models.config import ModelConfig, read_config_json
+from freetoken.models.key_map import DEFAULT_KEY_MAP, KeyMap
 from freetoken.models.layers import ExpertBank, MoeForCausalLM
 from freetoken.models.registry import family_for
 from freetoken.utils.memory import host_available_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Keys some checkpoints carry that no forward reads.
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.mtp\.)")
-# model.layers.{i}.{mlp|block_sparse_moe}.experts.{e}.{proj}.weight
-_EXPERT_KEY = re.compile(r"^(?P<bank>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
-# transformers v5's fused layout: ....experts.gate_up_proj [E, 2I, D] / .experts.down_proj [E, D, I]
-_FUSED_KEY = {"gate_up_proj": "w13", "down_proj": "w2"}
+# model.layers.{i}.{mlp|block_sparse_moe}.experts.{e}.{proj}.{weight|bias}
+_EXPERT_KEY = re.compile(r"^(?P<bank>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|bias)$")
 
 
 class CheckpointError(RuntimeError):
@@ -118,16 +115,19 @@ def init_model(model_dir: Path, dtype) -> tuple[MoeForCausalLM, ModelConfig]:
     dtype = resolve_dtype(dtype, cfg)
     with torch.device("meta"):
         model = family.MODEL_CLASS(cfg)
+    key_map = getattr(family, "KEY_MAP", DEFAULT_KEY_MAP)     # a KeyMap, or cfg -> KeyMap
+    model.key_map = key_map if isinstance(key_map, KeyMap) else key_map(cfg)
     return model.to(dtype), cfg
 
 
 def materialize(model: MoeForCausalLM, device: torch.device,
-                host_banks: dict[ExpertBank, tuple[torch.Tensor, torch.Tensor]] | None = None
+                host_banks: dict[ExpertBank, dict[str, torch.Tensor]] | None = None
                 ) -> MoeForCausalLM:
     """Allocate a meta-built model's parameters on `device`, except the expert banks named in
-    host_banks, which take the given host tensors (w13, w2) and never touch the device."""
+    host_banks, which take the given host tensors ({name: [E, ...]}) and never touch the
+    device."""
     host_banks = host_banks or {}
-    on_host = {id(p) for bank in host_banks for p in (bank.w13, bank.w2)}
+    on_host = {id(p) for bank in host_banks for p in bank.bank().values()}
     need = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in on_host)
     have = _available_bytes(device)
     if need > have * 0.95:
@@ -140,9 +140,8 @@ def materialize(model: MoeForCausalLM, device: torch.device,
     else:
         for module in model.modules():
             if module in host_banks:
-                w13, w2 = host_banks[module]
-                module.w13 = nn.Parameter(w13, requires_grad=False)
-                module.w2 = nn.Parameter(w2, requires_grad=False)
+                for name, tensor in host_banks[module].items():
+                    setattr(module, name, nn.Parameter(tensor, requires_grad=False))
             else:
                 module.to_empty(device=device, recurse=False)
     if model.config.tie_word_embeddings:   # to_empty allocates each module's tensors apart
@@ -155,6 +154,7 @@ def load_weights(model: MoeForCausalLM, files: list[Path],
     """Copy every tensor of the checkpoint into its parameter; every parameter must be set."""
     params = dict(model.named_parameters(remove_duplicate=False))
     banks = {name: mod for name, mod in model.named_modules() if isinstance(mod, ExpertBank)}
+    key_map = getattr(model, "key_map", DEFAULT_KEY_MAP)
     expected = {n for n in params if not (model.config.tie_word_embeddings and n == "lm_head.weight")}
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -163,14 +163,15 @@ def load_weights(model: MoeForCausalLM, files: list[Path],
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    if _IGNORED.search(key):
+                for source in f.keys():
+                    if key_map.skipped(source):
                         continue
-                    name = _load_one(key, f, params, banks, model.config)
-                    if name is None:
-                        unexpected.append(key)
+                    names = _load_one(source, key_map.rename(source), f, params, banks,
+                                      key_map, model.config)
+                    if names is None:
+                        unexpected.append(source)
                     else:
-                        loaded.add(name)
+                        loaded.update(names)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error type for corrupt files
@@ -187,37 +188,54 @@ def load_weights(model: MoeForCausalLM, files: list[Path],
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
 
 
-def _load_one(key, f, params, banks, cfg) -> str | None:
+def _load_one(source, key, f, params, banks, key_map: KeyMap, cfg) -> list[str] | None:
+    """Load checkpoint tensor `source` (renamed to `key`); the names it set, None if unused."""
     if key == "lm_head.weight" and cfg.tie_word_embeddings:
-        return "lm_head.weight"
+        return ["lm_head.weight"]
     m = _EXPERT_KEY.match(key)
     if m and m["bank"] in banks and m["proj"] in ExpertBank.PROJ:
-        return f"{m['bank']}.{banks[m['bank']].load_expert(int(m['e']), m['proj'], f.get_tensor(key))}"
-    source = key
+        bank = banks[m["bank"]]
+        try:
+            part = bank.load_expert(int(m["e"]), m["proj"], f.get_tensor(source), m["kind"])
+        except ValueError as e:
+            raise CheckpointError(f"tensor {source}: {e}") from None
+        return [f"{m['bank']}.{part}"]
     head, _, leaf = key.rpartition(".")
-    if head in banks and leaf in _FUSED_KEY:
-        key = f"{head}.{_FUSED_KEY[leaf]}"
+    if head in banks:
+        parts = key_map.fused_experts(leaf, f.get_tensor(source))
+        if parts is None:
+            return None
+        return [_copy(f"{head}.{name}", source, tensor, params) for name, tensor in parts.items()]
     if key not in params:
         return None
-    tensor, param = f.get_tensor(source), params[key]
+    return [_copy(key, source, f.get_tensor(source), params)]
+
+
+def _copy(name: str, source: str, tensor: torch.Tensor, params) -> str:
+    param = params.get(name)
+    if param is None:
+        raise CheckpointError(f"tensor {source}: the model has no {name}")
     if tuple(tensor.shape) != tuple(param.shape):
-        raise CheckpointError(f"tensor {key}: checkpoint shape {tuple(tensor.shape)}, "
-                              f"model expects {tuple(param.shape)} (config.json disagrees with weights)")
+        # Only size-1 dimensions may differ (ERNIE's [1, E] selection bias for our [E]).
+        if tensor.numel() != param.numel() or tensor.squeeze().shape != param.squeeze().shape:
+            raise CheckpointError(f"tensor {source}: checkpoint shape {tuple(tensor.shape)}, "
+                                  f"model expects {tuple(param.shape)} (config.json disagrees "
+                                  f"with weights)")
+        tensor = tensor.reshape(param.shape)
     with torch.no_grad():
         param.copy_(tensor)
-    return key
+    return name
 
 
 def _missing(expected: set[str], loaded: set[str], banks: dict) -> set[str]:
     missing = set()
     for name in expected:
         bank_name, _, leaf = name.rpartition(".")
-        if bank_name in banks and leaf in ("w13", "w2"):
+        if bank_name in banks and name not in loaded:
             bank = banks[bank_name]
-            parts = [".gate", ".up"] if leaf == "w13" else [""]
+            parts = [".gate", ".up"] if leaf in ("w13", "b13") else [""]
             for e in range(bank.num_experts):
-                whole = name in loaded
-                if not whole and not all(f"{bank_name}.{leaf}[{e}]{p}" in loaded for p in parts):
+                if not all(f"{bank_name}.{leaf}[{e}]{p}" in loaded for p in parts):
                     missing.add(f"{bank_name}.{e} ({leaf})")
         elif name not in loaded:
             missing.add(name)

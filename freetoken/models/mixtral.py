@@ -3,23 +3,29 @@ sparse under the name `block_sparse_moe` with experts w1 (gate), w3 (up), w2 (do
 router always renormalises its top-k and keeps the weights in float32.
 """
 
-from freetoken.models.config import ModelConfig, parse_config
-from freetoken.models.layers import DecoderLayer, MoeForCausalLM, SparseMoeBlock
+from freetoken.models.config import ConfigReader, ModelConfig
+from freetoken.models.layers import (Attention, AttentionConfig, DecoderLayer, ExpertBank,
+                                     MoeForCausalLM, Router, RouterConfig, SparseMoeBlock)
+from freetoken.moe.layout import ExpertLayout
 
 ARCHITECTURES = ("MixtralForCausalLM",)
 MODEL_TYPES = ("mixtral",)
 
 
 def parse(raw: dict, model_dir) -> ModelConfig:
-    raw = {k: v for k, v in raw.items() if k not in ("mlp_only_layers", "decoder_sparse_step")}
-    return parse_config(raw, model_dir, family_defaults={
-        "qk_norm": False, "attention_bias": False, "norm_topk_prob": True,
-        "rms_norm_eps": 1e-5, "shared_expert_intermediate_size": 0})
+    return ConfigReader(raw, model_dir, {"rms_norm_eps": 1e-5}).build(ModelConfig)
 
 
-def make_layer(cfg: ModelConfig, i: int) -> DecoderLayer:
-    moe = SparseMoeBlock(cfg, renormalize=True, weights_in_model_dtype=False)
-    return DecoderLayer(cfg, i, moe, mlp_name="block_sparse_moe")
+def make_layer(cfg: ModelConfig, i: int, rope) -> DecoderLayer:
+    attn = Attention(AttentionConfig(cfg.hidden_size, cfg.num_attention_heads,
+                                     cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps),
+                     i, rope)
+    gate = Router(cfg.hidden_size, RouterConfig(cfg.num_experts, cfg.num_experts_per_tok,
+                                                renormalize=True))
+    experts = ExpertBank(cfg.num_experts, ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size,
+                                                       gate.weight.dtype))
+    return DecoderLayer(attn, SparseMoeBlock(gate, experts), cfg.hidden_size, cfg.rms_norm_eps,
+                        mlp_name="block_sparse_moe")
 
 
 class MixtralForCausalLM(MoeForCausalLM):

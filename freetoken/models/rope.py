@@ -83,3 +83,16 @@ def build_cos_sin(rope: dict, head_dim: int, max_positions: int, device) -> torc
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     table = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)   # [P, R]
     return table.to(device)
+
+
+class RopeTable:
+    """A model's RoPE table: built once the engine knows the context length (`build`), then
+    read by every attention layer that shares it (`cos_sin` [P, R])."""
+
+    def __init__(self, rope: dict, head_dim: int):
+        self.rope, self.head_dim = rope, head_dim
+        self.cos_sin: torch.Tensor | None = None
+        inverse_frequencies(rope, head_dim)       # an unsupported rope type fails at build time
+
+    def build(self, max_positions: int, device) -> None:
+        self.cos_sin = build_cos_sin(self.rope, self.head_dim, max_positions, device)

@@ -88,13 +88,13 @@ class ExpertBench:
     experts for one token on the CPU. The runtime's startup calibration uses the same calls
     on the live store and pool."""
 
-    def __init__(self, store: ExpertStore, layer: int, w13_pool: torch.Tensor,
-                 w2_pool: torch.Tensor, top_k: int, cpu_threads: int | None,
-                 force_staging: bool = False):
+    def __init__(self, store: ExpertStore, layer: int, pool: dict[str, torch.Tensor],
+                 top_k: int, cpu_threads: int | None, force_staging: bool = False):
+        """pool: device slots {name: [S, *shape]} (S >= top_k; slots 0..top_k-1 are used)."""
         self.store, self.layer, self.cpu_threads = store, layer, cpu_threads
-        self.device = w13_pool.device
-        self.top_k = min(top_k, w13_pool.shape[0], store.num_experts)
-        self.fetcher = ExpertFetcher(store, w13_pool, w2_pool, force_staging)
+        self.device = pool["w13"].device
+        self.top_k = min(top_k, pool["w13"].shape[0], store.num_experts)
+        self.fetcher = ExpertFetcher(store, pool, force_staging)
         self._turn = 0
         self.x = torch.randn(1, store.hidden).to(store.dtype)
         self.weights = torch.full((1, self.top_k), 1.0 / self.top_k, dtype=store.dtype)
@@ -117,18 +117,17 @@ class ExpertBench:
         return self.top_k * self.store.expert_bytes
 
     def cpu(self) -> int:
-        w13, w2 = self.store.bank(self.layer)
         ids = torch.tensor([self._experts()])
         with torch_threads(self.cpu_threads):
-            cpu_moe(self.x, w13, w2, self.weights, ids)
+            cpu_moe(self.store.layout, self.x, self.store.bank(self.layer), self.weights, ids)
         return self.top_k * self.store.expert_bytes
 
     def cpu_rows(self) -> int:
         """ROWS tokens through the same top_k experts; returns the FLOPs done."""
-        w13, w2 = self.store.bank(self.layer)
         ids = torch.tensor([self._experts()]).expand(ROWS, -1)
         with torch_threads(self.cpu_threads):
-            cpu_moe(self.x_rows, w13, w2, self.weights.expand(ROWS, -1), ids)
+            cpu_moe(self.store.layout, self.x_rows, self.store.bank(self.layer),
+                    self.weights.expand(ROWS, -1), ids)
         return ROWS * self.top_k * 6 * self.store.hidden * self.store.width
 
     def measure_fetch(self, min_time: float) -> float:

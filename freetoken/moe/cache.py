@@ -1,6 +1,7 @@
 """The GPU expert cache: one pool of S expert slots shared by every offloaded layer.
 
-    w13_pool [S, 2I, D], w2_pool [S, D, I]    on the device (a separate buffer on the CPU)
+    pool {name: [S, *shape]}                  the layout's tensors (w13 [S, 2I, D], w2 [S, D, I],
+                                              biases...) on the device (a separate buffer on the CPU)
     slot_of  {(layer, expert): slot}          which slot holds what (host side)
     slot_map(layer) -> [E] int32 on device    expert id -> slot, -1 if absent: what the MoE
                                               kernel reads, re-uploaded only when it changed
@@ -39,9 +40,8 @@ class ExpertCache:
         self.store, self.layers, self.num_slots, self.policy = store, tuple(layers), num_slots, policy
         self.device = torch.device(device)
         s = store
-        self.w13_pool = torch.empty(num_slots, 2 * s.width, s.hidden, dtype=s.dtype, device=self.device)
-        self.w2_pool = torch.empty(num_slots, s.hidden, s.width, dtype=s.dtype, device=self.device)
-        self.fetcher = ExpertFetcher(store, self.w13_pool, self.w2_pool, force_staging)
+        self.pool = s.layout.empty(num_slots, device=self.device)
+        self.fetcher = ExpertFetcher(store, self.pool, force_staging)
         self.slot_of: dict[Key, int] = {}
         self.owner: list[Key | None] = [None] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))     # pop() hands out slot 0 first
@@ -56,7 +56,7 @@ class ExpertCache:
 
     @property
     def pool_bytes(self) -> int:
-        return self.w13_pool.nbytes + self.w2_pool.nbytes
+        return sum(t.nbytes for t in self.pool.values())
 
     @property
     def num_lookups(self) -> int:

@@ -1,8 +1,8 @@
 """Experts computed on the CPU straight from the host banks, with torch matmuls.
 
-The arithmetic is triton_kernels.fused_moe_reference's, expert by expert in ascending id, so a
-layer computed here with every expert equals the reference bit for bit; `experts` restricts
-the work to some of them (the hybrid backend's share).
+The arithmetic is the layout's torch reference (triton_kernels.fused_moe_reference), so a layer
+computed here with every expert equals the reference; `experts` restricts the work to some of
+them (the hybrid backend's share): the other (token, expert) pairs are dropped before it runs.
 """
 
 from __future__ import annotations
@@ -10,22 +10,25 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
+
+from freetoken.moe.layout import ExpertLayout
 
 
-def cpu_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor, experts: list[int] | None = None) -> torch.Tensor:
-    """x [T, D], w13 [E, 2I, D], w2 [E, D, I], topk [T, k], all host tensors -> [T, D]."""
+def cpu_moe(layout: ExpertLayout, x: torch.Tensor, bank: dict[str, torch.Tensor],
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            experts: list[int] | None = None) -> torch.Tensor:
+    """x [T, D], bank {name: [E, *shape]}, topk [T, k], all host tensors -> [T, D]."""
+    if experts is None:
+        return layout.run_reference(x, bank, topk_weights, topk_ids)
+    # Only the (token, expert) pairs routed to `experts`, one row each: [P, D] through the
+    # reference as P one-expert tokens, then summed into their tokens.
+    token, pos = torch.where(torch.isin(topk_ids, torch.tensor(sorted(experts),
+                                                              dtype=topk_ids.dtype)))
     out = torch.zeros_like(x)
-    chosen = torch.unique(topk_ids).tolist() if experts is None else sorted(experts)
-    for e in chosen:
-        token_idx, pos = torch.where(topk_ids == e)
-        if token_idx.numel() == 0:
-            continue
-        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[e])
-        h = h * topk_weights[token_idx, pos, None].to(h.dtype)
-        out.index_add_(0, token_idx, h.to(out.dtype))
+    if token.numel():
+        rows = layout.run_reference(x[token], bank, topk_weights[token, pos, None],
+                                    topk_ids[token, pos, None])
+        out.index_add_(0, token, rows)
     return out
 
 

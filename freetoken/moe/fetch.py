@@ -24,17 +24,17 @@ STAGING_BYTES = 64 * 2 ** 20     # the ring holds about this much, and 2..16 exp
 
 @dataclasses.dataclass
 class _StagingBuffer:
-    w13: torch.Tensor               # [2I, D]
-    w2: torch.Tensor                # [D, I]
+    parts: dict[str, torch.Tensor]  # one expert: {name: [*shape]} per the layout
     done: object = None             # torch.cuda.Event of the last copy out of it, or None
 
 
 class ExpertFetcher:
-    def __init__(self, store: ExpertStore, w13_pool: torch.Tensor, w2_pool: torch.Tensor,
+    def __init__(self, store: ExpertStore, pool: dict[str, torch.Tensor],
                  force_staging: bool = False):
-        """force_staging: route every layer through the ring (tests run it on the CPU)."""
-        self.store, self.w13_pool, self.w2_pool = store, w13_pool, w2_pool
-        self.device = w13_pool.device
+        """pool: the device slot pool {name: [S, *shape]}; force_staging: route every layer
+        through the ring (tests run it on the CPU)."""
+        self.store, self.pool = store, pool
+        self.device = pool["w13"].device
         self.is_cuda = self.device.type == "cuda"
         self.force_staging = force_staging
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None
@@ -53,7 +53,7 @@ class ExpertFetcher:
         """Enqueue copies of layer's experts into slots: moves = [(expert, slot)]."""
         if not moves:
             return
-        w13, w2 = self.store.bank(layer)
+        bank = self.store.bank(layer)
         staged = self.force_staging or (self.is_cuda and not self.store.pinned[layer])
         nbytes = len(moves) * self.store.expert_bytes
         if self.is_cuda:
@@ -63,43 +63,42 @@ class ExpertFetcher:
                 self.stream.wait_stream(compute)
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(self.stream)
-                self._copy(w13, w2, moves, staged)
+                self._copy(bank, moves, staged)
                 self.event = torch.cuda.Event(enable_timing=True)
                 self.event.record(self.stream)
             self._timed.append((start, self.event, nbytes))
         else:
             t0 = time.perf_counter()
-            self._copy(w13, w2, moves, staged)
+            self._copy(bank, moves, staged)
             self.busy_s += time.perf_counter() - t0
             self.timed_bytes += nbytes
         self.num_experts_copied += len(moves)
         self.bytes_copied += nbytes
 
-    def _copy(self, w13, w2, moves, staged: bool) -> None:
+    def _copy(self, bank, moves, staged: bool) -> None:
         nb = self.is_cuda
         for expert, slot in moves:
             if staged:
                 buf = self._staging_buffer()
-                buf.w13.copy_(w13[expert])
-                buf.w2.copy_(w2[expert])
-                self.w13_pool[slot].copy_(buf.w13, non_blocking=nb)
-                self.w2_pool[slot].copy_(buf.w2, non_blocking=nb)
+                for name, part in buf.parts.items():
+                    part.copy_(bank[name][expert])
+                    self.pool[name][slot].copy_(part, non_blocking=nb)
                 if nb:
                     buf.done = torch.cuda.Event()
                     buf.done.record(self.stream)
                 self.num_staged += 1
             else:
-                self.w13_pool[slot].copy_(w13[expert], non_blocking=nb)
-                self.w2_pool[slot].copy_(w2[expert], non_blocking=nb)
+                for name, dst in self.pool.items():
+                    dst[slot].copy_(bank[name][expert], non_blocking=nb)
 
     def _staging_buffer(self) -> _StagingBuffer:
         if not self._ring:
             s = self.store
             n = max(2, min(16, STAGING_BYTES // s.expert_bytes))
             pin = self.is_cuda
-            self._ring = [_StagingBuffer(
-                torch.empty(2 * s.width, s.hidden, dtype=s.dtype, pin_memory=pin),
-                torch.empty(s.hidden, s.width, dtype=s.dtype, pin_memory=pin)) for _ in range(n)]
+            self._ring = [_StagingBuffer({name: t[0] for name, t in
+                                          s.layout.empty(1, pin_memory=pin).items()})
+                          for _ in range(n)]
         buf = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
         if buf.done is not None:
@@ -126,7 +125,7 @@ class ExpertFetcher:
 
     @property
     def staging_bytes(self) -> int:
-        return sum(b.w13.nbytes + b.w2.nbytes for b in self._ring)
+        return sum(t.nbytes for b in self._ring for t in b.parts.values())
 
     def wait(self) -> None:
         """Make the compute stream wait for every copy enqueued so far."""

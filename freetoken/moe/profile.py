@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from freetoken.moe.bandwidth import ROWS, ExpertBench, h2d_gbps, host_copy_gbps
+from freetoken.moe.layout import ExpertLayout
 from freetoken.moe.store import ExpertStore
 from freetoken.utils import env
 from freetoken.utils.device import device_key
@@ -90,18 +91,18 @@ def measure_profile(device: torch.device, hidden: int = 2048, width: int = 768,
         profile["h2d_pageable_gbps"] = {str(n): h2d_gbps(device, n, False, min_time)
                                         for n in sizes}
     num_experts = 2 * top_k if quick else max(32, 4 * top_k)
-    store = ExpertStore((0,), num_experts, hidden, width, dtype, pin=device.type == "cuda")
+    layout = ExpertLayout(hidden, width, dtype)
+    store = ExpertStore((0,), num_experts, layout, pin=device.type == "cuda")
     try:
-        for bank in store.bank(0):
+        for bank in store.bank(0).values():
             bank.normal_(0, 0.02)
-        pool13 = torch.empty(top_k, 2 * width, hidden, dtype=dtype, device=device)
-        pool2 = torch.empty(top_k, hidden, width, dtype=dtype, device=device)
+        pool = layout.empty(top_k, device=device)
         progress(f"expert fetch and CPU experts ({num_experts} experts of "
                  f"{store.expert_bytes / 2**20:.2f} MiB, top-{top_k}), alone and overlapped ...")
-        bench = ExpertBench(store, 0, pool13, pool2, top_k, threads)
+        bench = ExpertBench(store, 0, pool, top_k, threads)
         experts = bench.measure(min_time)
         if device.type == "cuda":
-            staged = ExpertBench(store, 0, pool13, pool2, top_k, threads, force_staging=True)
+            staged = ExpertBench(store, 0, pool, top_k, threads, force_staging=True)
             experts["fetch_staged_gbps"] = staged.measure_fetch(min_time)
         profile["experts"] = {"hidden": hidden, "width": width, "dtype": str(dtype).removeprefix("torch."),
                               "expert_bytes": store.expert_bytes, "top_k": bench.top_k,

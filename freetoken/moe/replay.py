@@ -25,6 +25,7 @@ import torch
 
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.policy import make_policy
+from freetoken.moe.layout import ExpertLayout
 from freetoken.moe.store import ExpertStore
 from freetoken.moe.trace import RoutingTrace
 
@@ -64,7 +65,8 @@ class ReplayResult:
 def replay(trace: RoutingTrace, slots: int, policy: str = "lru", decay: float = 0.9,
            prefetch: bool = True, depth: int | None = None) -> ReplayResult:
     """depth: prefetch only the `depth` most likely guesses of each layer (None: all)."""
-    store = ExpertStore(trace.layers, trace.num_experts, 1, 1, torch.float32, available_bytes=2 ** 62)
+    store = ExpertStore(trace.layers, trace.num_experts, ExpertLayout(1, 1, torch.float32),
+                        available_bytes=2 ** 62)
     cache = ExpertCache(store, trace.layers, slots, make_policy(policy, decay), torch.device("cpu"))
     guessed = used = 0
     for step in trace.steps:

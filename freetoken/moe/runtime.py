@@ -9,7 +9,7 @@ Per layer and step (the router has already picked ids [T, k] and weights [T, k])
      the next layer, most likely first (its copies overlap this layer's kernel; under
      moe_prefetch=auto only as many as overlap.py measures the link can carry before the
      next layer's own misses go out), then
-     tk.fused_moe(x, w13_pool, w2_pool, weights, ids, slot_map);
+     the layout's fused MoE over the slot pool through the layer's slot map;
      hybrid: only some misses are fetched (the busiest; how many from the measured costs
      and each miss's rows, or a fixed moe_hybrid_k), the others run on the CPU while the
      kernel runs;
@@ -32,7 +32,6 @@ from typing import Callable
 
 import torch
 
-import triton_kernels as tk
 from freetoken.moe.bandwidth import ExpertBench, ExpertCosts, host_copy_gbps
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.config import MoeConfig
@@ -210,12 +209,11 @@ class MoeRuntime:
 
     def _kernel(self, layer, x, weights, ids) -> torch.Tensor:
         c = self.cache
-        return tk.fused_moe(x, c.w13_pool, c.w2_pool, weights, ids, c.slot_map(layer))
+        return self.store.layout.run(x, c.pool, weights, ids, c.slot_map(layer))
 
     def _cpu(self, layer, x_h, w_h, ids_h, experts) -> torch.Tensor:
-        w13, w2 = self.store.bank(layer)
         with torch_threads(self.cfg.cpu_threads):
-            return cpu_moe(x_h, w13, w2, w_h, ids_h, experts)
+            return cpu_moe(self.store.layout, x_h, self.store.bank(layer), w_h, ids_h, experts)
 
     def _rank(self, guess_h: torch.Tensor, guess_w_h: torch.Tensor) -> list[int]:
         """The guessed experts [T, k], most likely first: by router probability summed over
@@ -331,7 +329,7 @@ class MoeRuntime:
         why = ("no profile for " + key if profile is None else
                f"the profile was measured with {profile.get('cpu_threads')} CPU threads, not {threads}")
         # Slots 0..k-1 are scratch: nothing is mapped yet.
-        bench = ExpertBench(s, layer, self.cache.w13_pool, self.cache.w2_pool, self.top_k,
+        bench = ExpertBench(s, layer, self.cache.pool, self.top_k,
                             self.cfg.cpu_threads, force_staging=staged)
         host = host_copy_gbps(64 * 2**20, threads, CALIBRATION_S) if staged else None
         return ExpertCosts.of(bench.measure(CALIBRATION_S), s.expert_bytes, s.hidden, s.width,

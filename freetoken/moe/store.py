@@ -1,6 +1,7 @@
-"""The expert store: every offloaded MoE layer's experts in host RAM, one contiguous bank pair
-per layer in the layout the MoE kernel reads: w13 [E, 2I, D] (gate rows then up rows) and
-w2 [E, D, I], in the model's dtype (the checkpoint's, unless the engine was asked to cast).
+"""The expert store: every offloaded MoE layer's experts in host RAM, one contiguous bank per
+layer in the layout the MoE kernel reads: {name: [E, *shape]} for each tensor the layer's
+ExpertLayout names (w13 [E, 2I, D], w2 [E, D, I], biases when the format has them), in the
+model's dtype (the checkpoint's, unless the engine was asked to cast).
 
 The store allocates the banks; the loader fills them from the safetensors files (through the
 model's ExpertBank parameters, which are these tensors) so its progress callback covers them.
@@ -16,6 +17,7 @@ import weakref
 
 import torch
 
+from freetoken.moe.layout import ExpertLayout
 from freetoken.moe.plan import GiB, MoePlanError
 from freetoken.utils.memory import host_available_bytes
 
@@ -28,17 +30,15 @@ def default_pin_budget(available: int) -> int:
 
 
 class ExpertStore:
-    def __init__(self, layers: tuple[int, ...], num_experts: int, hidden: int, width: int,
-                 dtype: torch.dtype, pin: bool = False, pin_budget_bytes: int | None = None,
+    def __init__(self, layers: tuple[int, ...], num_experts: int, layout: ExpertLayout,
+                 pin: bool = False, pin_budget_bytes: int | None = None,
                  available_bytes: int | None = None):
         """pin: page-lock within pin_budget_bytes (None: DEFAULT_PIN_FRACTION of free RAM);
         only meaningful with CUDA. available_bytes: host RAM free (None: /proc/meminfo)."""
         self.layers = tuple(layers)
-        self.num_experts, self.hidden, self.width, self.dtype = num_experts, hidden, width, dtype
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.w13_expert_bytes = 2 * width * hidden * elem
-        self.w2_expert_bytes = hidden * width * elem
-        self.expert_bytes = self.w13_expert_bytes + self.w2_expert_bytes
+        self.num_experts, self.layout = num_experts, layout
+        self.hidden, self.width, self.dtype = layout.hidden, layout.width, layout.dtype
+        self.expert_bytes = layout.expert_bytes
         self.layer_bytes = num_experts * self.expert_bytes
         self.total_bytes = len(self.layers) * self.layer_bytes
         available = host_available_bytes() if available_bytes is None else available_bytes
@@ -47,13 +47,11 @@ class ExpertStore:
                                f"host RAM, {available / GiB:.2f} GiB is available")
         self.pin_budget_bytes = (0 if not pin else default_pin_budget(available)
                                  if pin_budget_bytes is None else pin_budget_bytes)
-        self.w13: dict[int, torch.Tensor] = {}
-        self.w2: dict[int, torch.Tensor] = {}
+        self.banks: dict[int, dict[str, torch.Tensor]] = {}
         self.pinned: dict[int, bool] = {}
         self._registered: list[int] = []
         for layer in self.layers:
-            self.w13[layer] = torch.empty(num_experts, 2 * width, hidden, dtype=dtype)
-            self.w2[layer] = torch.empty(num_experts, hidden, width, dtype=dtype)
+            self.banks[layer] = layout.empty(num_experts)
             self.pinned[layer] = (self.pinned_bytes + self.layer_bytes <= self.pin_budget_bytes
                                   and self._pin(layer))
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
@@ -66,14 +64,15 @@ class ExpertStore:
     def pinned_bytes(self) -> int:
         return sum(self.layer_bytes for layer, p in self.pinned.items() if p)
 
-    def bank(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w13[layer], self.w2[layer]
+    def bank(self, layer: int) -> dict[str, torch.Tensor]:
+        """{tensor name: [E, *shape]} of one layer's experts, in host RAM."""
+        return self.banks[layer]
 
     def _pin(self, layer: int) -> bool:
-        """Page-lock both banks of a layer in place; False (and pageable) if the driver refuses."""
+        """Page-lock a layer's bank in place; False (and pageable) if the driver refuses."""
         cudart = torch.cuda.cudart()
         done = []
-        for t in (self.w13[layer], self.w2[layer]):
+        for t in self.banks[layer].values():
             # cudaHostRegisterPortable: pinned for every CUDA context, not just the current one.
             err = int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 1))
             if err != 0:

@@ -1,0 +1,40 @@
+"""What a layer keeps per token, declared by the layer and allocated by the engine.
+
+A model's `cache_specs()` maps each layer index that keeps state to its spec; KVCache allocates
+one pool per spec and the layer reads its own through the ForwardBatch it is given. Bytes per
+token come from the specs, so the engine sizes the cache (and /v1/instrumentation reports it)
+for whatever mix of layers a family has. Later kinds (an MLA latent, a recurrent state) are new
+spec classes here with their own allocation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Paged K [.., Hk, Dk] and V [.., Hk, Dv] per token. sliding_window: the layer attends to
+    the last W positions only (its blocks still hold every token: the window bounds the work,
+    not yet the memory)."""
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    sliding_window: int | None = None
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+
+    def describe(self) -> str:
+        window = f", window {self.sliding_window}" if self.sliding_window else ""
+        return f"attention K/V {self.num_kv_heads}x{self.head_dim}/{self.v_head_dim}{window}"
+
+
+CacheSpec = AttentionSpec      # the union of the kinds there are
+
+
+def bytes_per_token(specs: dict[int, CacheSpec], dtype: torch.dtype) -> int:
+    return sum(spec.bytes_per_token(dtype) for spec in specs.values())

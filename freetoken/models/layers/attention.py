@@ -1,0 +1,92 @@
+"""Self-attention over the paged KV cache, configured by data: GQA, q/k/v and o biases, q/k
+RMSNorm per head or across all heads, partial rotary, a sliding window, per-head sinks.
+
+Each layer declares what it keeps (`cache_spec()`), the engine allocates it, and the forward
+reads its pool from the batch (`batch.kv.layer(i)`). Shapes: T tokens, D hidden, Hq/Hk query
+and kv heads of Dh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import triton_kernels as tk
+from freetoken.engine.batch import ForwardBatch
+from freetoken.engine.cache_spec import AttentionSpec
+from freetoken.models.layers.norm import RMSNorm
+from freetoken.models.rope import RopeTable
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None          # None, "head" (qwen3: per head) or "all" (olmoe, minimax)
+    sliding_window: int | None = None   # attend to the last W positions (gpt-oss's even layers)
+    sinks: bool = False                 # gpt-oss: a learned logit per head in the softmax
+    clip_qkv: float | None = None       # olmoe: clamp q, k, v (after the norms) to +-clip
+    rope_interleaved: bool = False      # ERNIE: rotate dims (2i, 2i+1), not (i, i + R/2)
+
+    def __post_init__(self):
+        if self.qk_norm not in (None, "head", "all"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'all', got {self.qk_norm!r}")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: AttentionConfig, layer_idx: int, rope: RopeTable):
+        super().__init__()
+        self.cfg, self.layer_idx, self.rope = cfg, layer_idx, rope
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        d, hd = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=cfg.o_bias)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "all":
+            self.q_norm = RMSNorm(self.num_heads * hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * hd, cfg.rms_norm_eps)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.sinks else None
+
+    def cache_spec(self) -> AttentionSpec:
+        return AttentionSpec(self.num_kv_heads, self.head_dim, self.head_dim,
+                             self.cfg.sliding_window)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, hd = x.shape[0], self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)      # [T, H*Dh]
+        if self.cfg.qk_norm == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.cfg.clip_qkv is not None:
+            c = self.cfg.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.view(t, self.num_heads, hd)
+        k = k.view(t, self.num_kv_heads, hd)
+        v = v.view(t, self.num_kv_heads, hd)
+        if self.cfg.qk_norm == "head":
+            q = self.q_norm(q.reshape(-1, hd)).view_as(q)
+            k = self.k_norm(k.reshape(-1, hd)).view_as(k)
+        q, k = q.contiguous(), k.contiguous()
+        tk.apply_rope(q, k, batch.positions, self.rope.cos_sin, self.cfg.rope_interleaved)
+        k_cache, v_cache = batch.kv.layer(self.layer_idx)
+        tk.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        extra = {}
+        if self.cfg.sliding_window is not None:
+            extra["sliding_window"] = self.cfg.sliding_window
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        o = tk.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                               batch.seq_lens, self.scale, batch.max_seqlen_q, **extra)
+        return self.o_proj(o.reshape(t, self.num_heads * hd))

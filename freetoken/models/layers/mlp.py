@@ -1,0 +1,15 @@
+"""SwiGLU MLP with HF's gate_proj/up_proj/down_proj names (dense layers, shared experts)."""
+
+import torch.nn.functional as F
+from torch import nn
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,89 @@
+"""The sparse MoE block: a router, the routed experts as one ExpertBank, and shared experts.
+
+ExpertBank holds all of a layer's experts as the stacked tensors its ExpertLayout names (the
+layout the MoE kernel reads: w13 [E, 2I, D] gate rows then up rows, w2 [E, D, I], biases);
+checkpoint keys, per expert or fused, load into slices of them. When the engine keeps
+experts off the device (freetoken.moe), the bank's tensors are the host expert store's and
+`runtime` (x, topk_weights, topk_ids) -> [T, D] runs the layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.models.layers.mlp import DenseMLP
+from freetoken.models.layers.router import Router
+from freetoken.moe.layout import ExpertLayout
+
+
+class ExpertBank(nn.Module):
+    # checkpoint projection name -> (bank tensor, which half of w13 or None for the whole)
+    PROJ = {"gate_proj": ("w13", 0), "w1": ("w13", 0),
+            "up_proj": ("w13", 1), "w3": ("w13", 1),
+            "down_proj": ("w2", None), "w2": ("w2", None)}
+
+    def __init__(self, num_experts: int, layout: ExpertLayout):
+        super().__init__()
+        self.num_experts, self.width, self._layout = num_experts, layout.width, layout
+        for part in layout.tensors:
+            self.register_parameter(part.name, nn.Parameter(torch.empty(num_experts, *part.shape)))
+        self.runtime = None
+
+    @property
+    def layout(self) -> ExpertLayout:
+        return self._layout.with_dtype(self.w13.dtype)     # the dtype the model was cast to
+
+    def bank(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._layout.names}
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, kind: str = "weight") -> str:
+        """Copy one checkpoint tensor (`kind` weight or bias) of one expert in; returns the
+        bank slice's name for bookkeeping."""
+        bank, half = self.PROJ[proj]
+        if kind == "bias":
+            bank = {"w13": "b13", "w2": "b2"}[bank]
+        if not hasattr(self, bank):
+            raise ValueError(f"expert {expert} {proj}.{kind}: this layer's experts have no {bank}")
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert index {expert} out of range 0..{self.num_experts - 1}")
+        dst = getattr(self, bank).data[expert]
+        if half is not None:
+            dst = dst[half * self.width:(half + 1) * self.width]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"expert {expert} {proj}.{kind}: checkpoint shape "
+                             f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return f"{bank}[{expert}]{'' if half is None else ('.gate', '.up')[half]}"
+
+    def forward(self, x, topk_weights, topk_ids):
+        if self.runtime is not None:
+            return self.runtime(x, topk_weights, topk_ids)
+        return self.layout.run(x, self.bank(), topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`) + routed experts + optional shared experts, under HF's names:
+    qwen2_moe's `shared_expert` scaled by sigmoid(`shared_expert_gate`(x)), or GLM/ERNIE/
+    DeepSeek's ungated `shared_experts`."""
+
+    def __init__(self, gate: Router, experts: ExpertBank, shared: DenseMLP | None = None,
+                 shared_name: str = "shared_experts", shared_gate: bool = False):
+        super().__init__()
+        self.gate, self.experts = gate, experts
+        self.top_k = gate.top_k
+        self.shared_name = shared_name if shared is not None else None
+        if shared is not None:
+            self.add_module(shared_name, shared)
+        hidden = gate.weight.shape[1]
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate.route(x)                 # [T, k]
+        out = self.experts(x, weights, ids)
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,85 @@
+"""The router: one `route()` per MoE layer, used by the forward and by prefetch's guesses.
+
+x [T, D] -> logits = x @ weight^T (+ bias) [T, E] -> (weights [T, k], ids [T, k]). Variants,
+as data:
+- softmax -> top-k, renormalised or not (Qwen, Mixtral, OLMoE); with a logit bias and
+  renormalisation this is also gpt-oss's top-k -> softmax over the chosen (softmax is
+  monotonic, and renormalised probabilities are the softmax of the chosen logits);
+- a selection bias (`e_score_correction_bias`) added to the scores for choosing only, sigmoid
+  or softmax scores, group-limited top-k (n_group, topk_group), renormalisation and a
+  routed scaling factor (GLM-4.x, MiniMax-M2, DeepSeek-V3, ERNIE-4.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import triton_kernels as tk
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    num_experts: int
+    top_k: int
+    scoring: str = "softmax"            # "softmax" or "sigmoid"
+    renormalize: bool = False
+    logit_bias: bool = False            # gpt-oss: the gate Linear has a bias
+    selection_bias: bool = False        # e_score_correction_bias, for choosing only
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0                  # routed_scaling_factor
+    weights_in_model_dtype: bool = False    # qwen/olmoe cast the weights before scaling experts
+    float32: bool = False               # logits from a float32 copy of x and the weight
+
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"router scoring must be softmax or sigmoid, got {self.scoring!r}")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"{self.num_experts} experts in {self.n_group} groups, keeping "
+                             f"{self.topk_group}: not a valid grouping")
+
+    @property
+    def plain(self) -> bool:
+        """Softmax -> top-k, the kernel without bias or groups."""
+        return (self.scoring == "softmax" and not self.selection_bias and self.n_group == 1
+                and self.scale == 1.0)
+
+
+class Router(nn.Module):
+    """HF's `gate`: weight [E, D] (+ bias [E]) (+ e_score_correction_bias [E])."""
+
+    def __init__(self, hidden: int, cfg: RouterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.top_k = cfg.top_k
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.logit_bias else None
+        self.e_score_correction_bias = (nn.Parameter(torch.empty(cfg.num_experts))
+                                        if cfg.selection_bias else None)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.float32:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k] float32, or x's dtype when the family casts; ids [T, k])."""
+        c, logits = self.cfg, self.logits(x)
+        if c.plain:
+            weights, ids = tk.topk_softmax(logits, c.top_k, c.renormalize)
+        else:
+            bias = (None if self.e_score_correction_bias is None
+                    else self.e_score_correction_bias.float())
+            weights, ids = tk.biased_topk(logits, c.top_k, bias=bias, scoring=c.scoring,
+                                          n_group=c.n_group, topk_group=c.topk_group,
+                                          renormalize=c.renormalize, scale=c.scale)
+        if c.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        return weights, ids
+
+    forward = route
