@@ -57,34 +57,33 @@ class ConfigReader:
         raise ModelConfigError(f"config.json in {self.model_dir} lacks {name!r}")
 
     def common(self, **overrides) -> dict:
-        """The ModelConfig fields, as keyword arguments (overrides win)."""
+        """The ModelConfig fields, as keyword arguments; overrides win and are not read."""
         raw = self.raw
-        hidden = int(self.get("hidden_size"))
-        heads = int(self.get("num_attention_heads"))
+        heads = lambda: int(self.get("num_attention_heads"))        # noqa: E731
         fields = dict(
-            model_type=raw.get("model_type", ""),
-            architectures=tuple(raw.get("architectures") or ()),
-            vocab_size=int(self.get("vocab_size")),
-            hidden_size=hidden,
-            num_hidden_layers=int(self.get("num_hidden_layers")),
+            model_type=lambda: raw.get("model_type", ""),
+            architectures=lambda: tuple(raw.get("architectures") or ()),
+            vocab_size=lambda: int(self.get("vocab_size")),
+            hidden_size=lambda: int(self.get("hidden_size")),
+            num_hidden_layers=lambda: int(self.get("num_hidden_layers")),
             num_attention_heads=heads,
-            num_key_value_heads=int(self.get("num_key_value_heads", default=heads)),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            intermediate_size=int(self.get("intermediate_size")),
-            moe_intermediate_size=int(self.get("moe_intermediate_size", "intermediate_size")),
-            num_experts=int(self.get("num_experts", "num_local_experts", "n_routed_experts")),
-            num_experts_per_tok=int(self.get("num_experts_per_tok")),
-            rms_norm_eps=float(self.get("rms_norm_eps", default=1e-6)),
-            max_position_embeddings=int(self.get("max_position_embeddings", default=32768)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", self.defaults.get(
+            num_key_value_heads=lambda: int(self.get("num_key_value_heads", default=heads())),
+            head_dim=lambda: int(raw.get("head_dim") or int(self.get("hidden_size")) // heads()),
+            intermediate_size=lambda: int(self.get("intermediate_size")),
+            moe_intermediate_size=lambda: int(self.get("moe_intermediate_size", "intermediate_size")),
+            num_experts=lambda: int(self.get("num_experts", "num_local_experts", "n_routed_experts")),
+            num_experts_per_tok=lambda: int(self.get("num_experts_per_tok")),
+            rms_norm_eps=lambda: float(self.get("rms_norm_eps", default=1e-6)),
+            max_position_embeddings=lambda: int(self.get("max_position_embeddings", default=32768)),
+            tie_word_embeddings=lambda: bool(raw.get("tie_word_embeddings", self.defaults.get(
                 "tie_word_embeddings", False))),
-            rope=_rope(raw),
-            torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            eos_token_ids=_eos_ids(raw, self.model_dir),
-            bos_token_id=raw.get("bos_token_id"),
+            rope=lambda: _rope(raw),
+            torch_dtype=lambda: str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            eos_token_ids=lambda: _eos_ids(raw, self.model_dir),
+            bos_token_id=lambda: raw.get("bos_token_id"),
         )
-        fields.update(overrides)
-        return fields
+        return {name: overrides[name] if name in overrides else read()
+                for name, read in fields.items()}
 
     def build(self, cls, **family_fields):
         """cls(**common, **family_fields), validated; bad values become ModelConfigError."""

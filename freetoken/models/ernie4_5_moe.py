@@ -1,8 +1,9 @@
 """ERNIE-4.5 MoE (Ernie4_5_MoeForCausalLM): attention with optional biases (`use_bias`) and
 interleaved RoPE; layers moe_layer_start_index..moe_layer_end_index (every
 moe_layer_interval-th) sparse, the rest dense; a float32 softmax router whose selection bias
-(`moe_statics.e_score_correction_bias` [1, E]) picks the experts, weights renormalised (a sum
-floor of moe_norm_min) and cast to the model dtype; ungated shared experts.
+(`moe_statics.e_score_correction_bias` [1, E]) picks the experts, weights renormalised and
+cast to the model dtype (HF floors the sum at moe_norm_min, 1e-12; the routing kernel adds
+1e-20: the same for any sum of top-k probabilities); ungated shared experts.
 """
 
 from __future__ import annotations
