@@ -10,8 +10,8 @@ from triton_kernels.rms_norm import rms_norm, rms_norm_reference
 from triton_kernels.rope import apply_rope, apply_rope_reference
 from triton_kernels.silu_mul import silu_and_mul, silu_and_mul_reference
 from triton_kernels.topk_softmax import topk_softmax, topk_softmax_reference
-from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, fused_moe, fused_moe_autotune_keys,
-                                      fused_moe_reference)
+from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, SILU, SWIGLU_OAI, MoeActivation,
+                                      fused_moe, fused_moe_autotune_keys, fused_moe_reference)
 from triton_kernels.kv_write import write_kv, write_kv_reference
 from triton_kernels.paged_attention import paged_attention, paged_attention_reference
 
@@ -22,6 +22,7 @@ __all__ = [
     "silu_and_mul", "silu_and_mul_reference",
     "topk_softmax", "topk_softmax_reference",
     "fused_moe", "fused_moe_reference", "fused_moe_autotune_keys", "FUSED_MOE_TOKEN_BUCKETS",
+    "MoeActivation", "SILU", "SWIGLU_OAI",
     "write_kv", "write_kv_reference",
     "paged_attention", "paged_attention_reference",
 ]

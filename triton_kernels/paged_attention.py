@@ -39,8 +39,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, s
                               sliding_window: int | None = None,
                               sinks: torch.Tensor | None = None):
     """max_seqlen_q is accepted for the same signature as the Triton path and unused."""
-    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                          sliding_window, sinks)
+    # Only the new options are checked: CPU callers' layouts (strides, dtypes) stay free.
+    _check_window_and_sinks(q.shape[1], sliding_window, sinks)
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -461,14 +461,7 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
     if d > 256 or v_cache.shape[3] > 256:
         raise ValueError(f"paged_attention: head dims {d}/{v_cache.shape[3]} > 256 are not "
                          f"supported")
-    if sliding_window is not None and (not isinstance(sliding_window, int)
-                                       or not 1 <= sliding_window < _NO_WINDOW):
-        raise ValueError(f"paged_attention: sliding_window must be a positive int or None, got "
-                         f"{sliding_window!r}")
-    if sinks is not None and (sinks.shape != (hq,) or not sinks.is_floating_point()
-                              or not sinks.is_contiguous()):
-        raise ValueError(f"paged_attention: sinks must be a contiguous float [{hq}] tensor, got "
-                         f"{tuple(sinks.shape)} {sinks.dtype}")
+    _check_window_and_sinks(hq, sliding_window, sinks)
     b = seq_lens.shape[0]
     if (block_tables.dim() != 2 or block_tables.shape[0] != b or cu_seqlens_q.shape != (b + 1,)
             or seq_lens.dim() != 1):
@@ -485,6 +478,17 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
                          "contiguous")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("paged_attention: q and the caches need a contiguous last dimension")
+
+
+def _check_window_and_sinks(hq: int, sliding_window, sinks):
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or not 1 <= sliding_window < _NO_WINDOW):
+        raise ValueError(f"paged_attention: sliding_window must be a positive int or None, got "
+                         f"{sliding_window!r}")
+    if sinks is not None and (sinks.shape != (hq,) or not sinks.is_floating_point()
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"paged_attention: sinks must be a contiguous float [{hq}] tensor, got "
+                         f"{tuple(sinks.shape)} {sinks.dtype}")
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float,
