@@ -10,6 +10,7 @@ from triton_kernels.rms_norm import rms_norm, rms_norm_reference
 from triton_kernels.rope import apply_rope, apply_rope_reference
 from triton_kernels.silu_mul import silu_and_mul, silu_and_mul_reference
 from triton_kernels.topk_softmax import topk_softmax, topk_softmax_reference
+from triton_kernels.routing import biased_topk, biased_topk_reference
 from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, SILU, SWIGLU_OAI, MoeActivation,
                                       fused_moe, fused_moe_autotune_keys, fused_moe_reference)
 from triton_kernels.kv_write import write_kv, write_kv_reference
@@ -21,6 +22,7 @@ __all__ = [
     "apply_rope", "apply_rope_reference",
     "silu_and_mul", "silu_and_mul_reference",
     "topk_softmax", "topk_softmax_reference",
+    "biased_topk", "biased_topk_reference",
     "fused_moe", "fused_moe_reference", "fused_moe_autotune_keys", "FUSED_MOE_TOKEN_BUCKETS",
     "MoeActivation", "SILU", "SWIGLU_OAI",
     "write_kv", "write_kv_reference",
