@@ -46,8 +46,10 @@ def _inputs(t, d, inter, e, k, pool, dtype, bias, act_scale):
     x = act_scale * torch.randn(t, d)
     w13 = torch.randn(slots, 2 * inter, d) / d ** 0.5
     w2 = torch.randn(slots, d, inter) / inter ** 0.5 / act_scale
-    # Biases big enough that swiglu_oai's clamps at +-7 bite on some gate and up values.
-    b13 = 3 * torch.randn(slots, 2 * inter) if bias in ("both", "b13") else None
+    # In float32, biases big enough that swiglu_oai's clamps at +-7 bite on some gate and up
+    # values; smaller in 16-bit dtypes, where large activations would round by whole units.
+    b13_scale = 3.0 if dtype == torch.float32 else 1.0
+    b13 = b13_scale * torch.randn(slots, 2 * inter) if bias in ("both", "b13") else None
     b2 = 0.5 * torch.randn(slots, d) if bias in ("both", "b2") else None
     weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k, dim=-1)
     slot_map = torch.randperm(slots)[:e] if pool else None

@@ -3,6 +3,9 @@
 Every public op dispatches on its input: CUDA tensors with Triton available run the Triton
 kernel, anything else runs the torch reference (which is also the correctness oracle).
 This package knows nothing of requests, models or the server: it imports torch and triton only.
+Ops: rms_norm, apply_rope, silu_and_mul, topk_softmax and biased_topk (routing), fused_moe (with
+expert biases and a MoeActivation: SILU or gpt-oss's SWIGLU_OAI), write_kv, paged_attention
+(sliding window, attention sinks, V head dim != K head dim).
 """
 
 from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs

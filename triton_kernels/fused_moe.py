@@ -44,7 +44,8 @@ class MoeActivation:
 
     def __post_init__(self):
         if self.kind not in _ACTIVATIONS:
-            raise ValueError(f"MoeActivation: kind must be one of {_ACTIVATIONS}, got {self.kind!r}")
+            raise ValueError(f"MoeActivation: kind must be one of {_ACTIVATIONS}, got "
+                             f"{self.kind!r}")
 
 
 _ACTIVATIONS = ("silu", "swiglu_oai")
@@ -321,8 +322,9 @@ def _moe_gemv2_kernel(act_ptr, w2_ptr, b2_ptr, out_ptr, ids_ptr, slot_map_ptr, t
                       TOP_K: tl.constexpr, HAS_SLOT_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Grid (T, cdiv(N, BLOCK_N)); N = D, K = I. out[t, n] = sum_j w[t, j] * (act[t*k + j] .
-    # w2[s_j, n] (+ b2[s_j, n])): the k terms are summed in float32 registers and stored once, so the result
-    # is deterministic and needs no atomics, zeroed buffer or separate sum kernel.
+    # w2[s_j, n] (+ b2[s_j, n])): the k terms are summed in float32 registers and stored
+    # once, so the result is deterministic and needs no atomics, zeroed buffer or separate sum
+    # kernel.
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N

@@ -183,7 +183,8 @@ def _finish(acc, m_i, l_i, sinks_ptr, heads, mask_rows, HAS_SINKS: tl.constexpr)
     """acc / l, the softmax denominator gaining exp2(sink2 - m) per row (sink2 = sink * log2 e,
     in the scores' log2 domain) when HAS_SINKS. Rows with no key and no sink give 0."""
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=mask_rows, other=0.0).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + heads, mask=mask_rows, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634
         m_new = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_new)                      # m_i = -inf (no key): alpha 0
         l_i = l_i * alpha + tl.exp2(sink - m_new)
