@@ -8,8 +8,11 @@ The interpreter (tests/test_kernels.py) checks what the kernels compute; only a 
 rejects what the interpreter lets through: tl.dot shapes, shared memory and register budgets,
 constructs the compiler does not accept. Triton's bundled ptxas builds each cubin for the
 target, so no GPU or driver is needed. A form is a kernel with the constexprs and launch
-config a launcher really uses: every autotune candidate of the fused MoE kernels, the fixed
-config the GPU tests use, and each other kernel at Qwen3-30B-A3B's shapes. Exit status 1 when
+config a launcher really uses: every autotune candidate of the fused MoE kernels and the fixed
+config the GPU tests use, at Qwen3-30B-A3B's shapes and at gpt-oss-20b's (biases, swiglu_oai);
+attention at Qwen3's heads, gpt-oss's (window 128 and full, sinks) and DeepSeek-V3's prefill
+(Dk 192, Dv 128); biased_topk at DeepSeek-V3's groups and plain 32/128/512-expert routers;
+the other kernels at Qwen3-30B-A3B's shapes. Exit status 1 when
 a form fails to compile or needs more shared memory than the SM has.
 Run without TRITON_INTERPRET (under it, @triton.jit builds interpreter functions).
 """
@@ -24,8 +27,14 @@ import sys
 # Shared memory a block may use, per architecture (bytes).
 SHARED_LIMIT = {80: 166912, 90: 232448}
 POINTER = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
-D, I, E, K = 2048, 768, 128, 8        # hidden, expert width, experts, top-k
+D, I, E, K = 2048, 768, 128, 8        # Qwen3-30B-A3B: hidden, expert width, experts, top-k
 HQ, HK, HEAD = 32, 4, 128             # query heads, KV heads, head dim
+# gpt-oss-20b: hidden 2880, 32 experts of width 2880, top-4 (biases, swiglu_oai); 64 query
+# heads over 8 KV heads of 64, window 128 on the sliding layers, attention sinks.
+OSS_MOE = dict(d=2880, inter=2880, experts=32, top_k=4, bias=True, activation="swiglu_oai")
+OSS_HQ, OSS_HK, OSS_HEAD, OSS_WINDOW = 64, 8, 64, 128
+# DeepSeek-V3 prefill attention: 128 heads, K 192 wide (nope 128 + rope 64), V 128.
+DS_HQ, DS_DK, DS_DV = 128, 192, 128
 
 
 def compile_form(fn, args: dict, num_warps: int, num_stages: int, arch: int) -> int:
@@ -58,20 +67,25 @@ def compile_form(fn, args: dict, num_warps: int, num_stages: int, arch: int) -> 
     return triton.compile(source, target=target, options=options.__dict__).metadata.shared
 
 
-def moe_forms(p: str):
-    """(label, kernel, args, num_warps, num_stages) for the fused MoE kernels."""
+def moe_forms(p: str, d=D, inter=I, experts=E, top_k=K, bias=False, activation="silu"):
+    """(label, kernel, args, num_warps, num_stages) for the fused MoE kernels at one model's
+    shapes and expert epilogue (biases, activation)."""
     fm = importlib.import_module("triton_kernels.fused_moe")   # the package's `fused_moe` is the op
+    tag = f"{'bias ' if bias else ''}{activation} D{d} I{inter}"
+    act = dict(alpha=1.702, limit=7.0, ACTIVATION=activation)
     gemm = dict(sorted_ids_ptr="*i32", block_slot_ptr="*i32", num_padded_ptr="*i32", num_pairs=1000,
-                M_BUCKET=64, GROUP_M=8, DOT_PRECISION=None)
-    gemm1 = dict(gemm, x_ptr=p, w13_ptr=p, act_ptr=p, N=I, K=D, stride_xt=D, stride_ws=2 * I * D,
-                 stride_wn=D, stride_at=I, TOP_K=K)
-    gemm2 = dict(gemm, act_ptr=p, w2_ptr=p, out_ptr=p, topk_w_ptr="*fp32", N=D, K=I, stride_at=I,
-                 stride_ws=I * D, stride_wn=I, stride_ot=D)
-    gemv = dict(ids_ptr="*i64", slot_map_ptr="*i32", M_BUCKET=1, TOP_K=K, HAS_SLOT_MAP=True)
-    gemv1 = dict(gemv, x_ptr=p, w13_ptr=p, act_ptr=p, N=I, K=D, stride_xt=D, stride_ws=2 * I * D,
-                 stride_wn=D, stride_at=I)
-    gemv2 = dict(gemv, act_ptr=p, w2_ptr=p, out_ptr=p, topk_w_ptr="*fp32", N=D, K=I, stride_at=I,
-                 stride_ws=I * D, stride_wn=I, stride_ot=D)
+                M_BUCKET=64, GROUP_M=8, DOT_PRECISION=None, HAS_BIAS=bias)
+    gemm1 = dict(gemm, **act, x_ptr=p, w13_ptr=p, b13_ptr=p, act_ptr=p, N=inter, K=d, stride_xt=d,
+                 stride_ws=2 * inter * d, stride_wn=d, stride_bs=2 * inter, stride_at=inter,
+                 TOP_K=top_k)
+    gemm2 = dict(gemm, act_ptr=p, w2_ptr=p, b2_ptr=p, out_ptr=p, topk_w_ptr="*fp32", N=d, K=inter,
+                 stride_at=inter, stride_ws=inter * d, stride_wn=inter, stride_bs=d, stride_ot=d)
+    gemv = dict(ids_ptr="*i64", slot_map_ptr="*i32", M_BUCKET=1, TOP_K=top_k, HAS_SLOT_MAP=True,
+                HAS_BIAS=bias)
+    gemv1 = dict(gemv, **act, x_ptr=p, w13_ptr=p, b13_ptr=p, act_ptr=p, N=inter, K=d, stride_xt=d,
+                 stride_ws=2 * inter * d, stride_wn=d, stride_bs=2 * inter, stride_at=inter)
+    gemv2 = dict(gemv, act_ptr=p, w2_ptr=p, b2_ptr=p, out_ptr=p, topk_w_ptr="*fp32", N=d, K=inter,
+                 stride_at=inter, stride_ws=inter * d, stride_wn=inter, stride_bs=d, stride_ot=d)
     fixed = fm._FIXED_GPU_CONFIG
     fixed_kw = dict(BLOCK_N=fixed["BLOCK_N"], BLOCK_K=fixed["BLOCK_K"])
     # Decode runs BLOCK_M 16 tiles, prefill up to 64 (the most shared memory).
@@ -80,22 +94,27 @@ def moe_forms(p: str):
         for c in configs:
             for bm in block_ms:
                 tile = dict(c.kwargs, BLOCK_M=bm)
-                label = f"{name} BM{bm} BN{c.kwargs['BLOCK_N']} BK{c.kwargs['BLOCK_K']}"
+                label = f"{tag} {name} BM{bm} BN{c.kwargs['BLOCK_N']} BK{c.kwargs['BLOCK_K']}"
                 yield f"gemm1 {label}", fm._moe_gemm1_kernel, dict(gemm1, **tile), c.num_warps, c.num_stages
                 yield f"gemm2 {label}", fm._moe_gemm2_kernel, dict(gemm2, **tile), c.num_warps, c.num_stages
     for bm in (16, 64):
-        yield (f"gemm1 fixed BM{bm}", fm._moe_gemm1_kernel, dict(gemm1, BLOCK_M=bm, **fixed_kw),
+        yield (f"gemm1 {tag} fixed BM{bm}", fm._moe_gemm1_kernel, dict(gemm1, BLOCK_M=bm, **fixed_kw),
                fixed["num_warps"], fixed["num_stages"])
-        yield (f"gemm2 fixed BM{bm}", fm._moe_gemm2_kernel, dict(gemm2, BLOCK_M=bm, **fixed_kw),
+        yield (f"gemm2 {tag} fixed BM{bm}", fm._moe_gemm2_kernel, dict(gemm2, BLOCK_M=bm, **fixed_kw),
                fixed["num_warps"], fixed["num_stages"])
     for c in list(fm._GEMV_CONFIGS) + [None]:
         kw, warps, stages = ((fixed_kw, fixed["num_warps"], fixed["num_stages"]) if c is None
                              else (c.kwargs, c.num_warps, c.num_stages))
         label = "fixed" if c is None else f"BN{kw['BLOCK_N']} BK{kw['BLOCK_K']}"
-        yield f"gemv1 {label}", fm._moe_gemv1_kernel, dict(gemv1, **kw), warps, stages
-        yield f"gemv2 {label}", fm._moe_gemv2_kernel, dict(gemv2, **kw), warps, stages
-    yield ("moe_sum", fm._moe_sum_kernel,
-           dict(pairs_ptr=p, out_ptr=p, D=D, stride_pt=D, stride_ot=D, TOP_K=K, BLOCK_D=1024), 4, 3)
+        yield f"gemv1 {tag} {label}", fm._moe_gemv1_kernel, dict(gemv1, **kw), warps, stages
+        yield f"gemv2 {tag} {label}", fm._moe_gemv2_kernel, dict(gemv2, **kw), warps, stages
+    yield (f"moe_sum D{d}", fm._moe_sum_kernel,
+           dict(pairs_ptr=p, out_ptr=p, D=d, stride_pt=d, stride_ot=d, TOP_K=top_k,
+                BLOCK_D=min(triton_next_pow2(d), 1024)), 4, 3)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def align_forms():
@@ -114,33 +133,63 @@ def align_forms():
                 num_pairs=999, BLOCK_E=E, CHUNK=chunk), 4, 3)
 
 
-def attention_forms(p: str):
-    import triton
+def attention_forms(p: str, hq=HQ, hk=HK, dk=HEAD, dv=HEAD, window=None, sinks=False,
+                    label="qwen3"):
+    """The prefill, decode (one split and split-KV) and reduce kernels at one model's heads;
+    window None compiles the full-causal call (the kernels get _NO_WINDOW)."""
     pa = importlib.import_module("triton_kernels.paged_attention")
     pa.interpreting = lambda: False          # the GPU's tiles, even if this env says otherwise
-    strides = dict(stride_qt=HQ * HEAD, stride_qh=HEAD, stride_ot=HQ * HEAD, stride_oh=HEAD,
-                   stride_bt=77, stride_kb=16 * HK * HEAD, stride_ks=HK * HEAD, stride_kh=HEAD,
-                   stride_vb=16 * HK * HEAD, stride_vs=HK * HEAD, stride_vh=HEAD, BS=16)
+    strides = dict(stride_qt=hq * dk, stride_qh=dk, stride_ot=hq * dv, stride_oh=dv,
+                   stride_bt=77, stride_kb=16 * hk * dk, stride_ks=hk * dk, stride_kh=dk,
+                   stride_vb=16 * hk * dv, stride_vs=hk * dv, stride_vh=dv, BS=16)
     ptrs = dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, bt_ptr="*i32", cu_q_ptr="*i32",
-                seq_lens_ptr="*i32", out_ptr=p)
-    g = HQ // HK
-    g_pad = triton.next_power_of_2(g)
-    cfg = pa._attention_config(HEAD, decode=False)
+                seq_lens_ptr="*i32", out_ptr=p, sinks_ptr="*fp32")
+    d_pad, dv_pad = triton_next_pow2(max(16, dk)), triton_next_pow2(max(16, dv))
+    dims = dict(HEAD_DIM=dk, D_PAD=d_pad, HEAD_DIM_V=dv, DV_PAD=dv_pad, HAS_SINKS=sinks,
+                window=pa._NO_WINDOW if window is None else window, qk_scale=0.1)
+    tag = f"{label} Hq{hq} Hk{hk} Dk{dk} Dv{dv}" + (f" window{window}" if window else "") + (
+        " sinks" if sinks else "")
+    g = hq // hk
+    g_pad = triton_next_pow2(g)
+    cfg = pa._attention_config(max(d_pad, dv_pad), decode=False)
     block_q = max(1, cfg.pop("BLOCK_M") // g_pad)
-    yield ("prefill attention", pa._paged_prefill_kernel,
-           dict(ptrs, **strides, qk_scale=0.1, G=g, G_PAD=g_pad, BLOCK_Q=block_q,
-                BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=HEAD, D_PAD=HEAD, DOT_PRECISION=None),
+    yield (f"prefill attention {tag}", pa._paged_prefill_kernel,
+           dict(ptrs, **strides, **dims, G=g, G_PAD=g_pad, BLOCK_Q=block_q,
+                BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=None),
            cfg["num_warps"], cfg["num_stages"])
-    cfg = pa._attention_config(HEAD, decode=True)
+    cfg = pa._attention_config(max(d_pad, dv_pad), decode=True)
     for split in (False, True):
-        yield (f"decode attention split={split}", pa._paged_decode_kernel,
-               dict(ptrs, **strides, part_o_ptr="*fp32" if split else p, part_lse_ptr="*fp32" if split else p,
-                    qk_scale=0.1, num_splits=4, split_tokens=256, Hq=HQ, G=g, G_PAD=max(16, g_pad),
-                    BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=HEAD, D_PAD=HEAD, SPLIT=split, DOT_PRECISION=None),
+        yield (f"decode attention split={split} {tag}", pa._paged_decode_kernel,
+               dict(ptrs, **strides, **dims, part_o_ptr="*fp32" if split else p,
+                    part_lse_ptr="*fp32" if split else p, num_splits=4, split_tokens=256, Hq=hq,
+                    G=g, G_PAD=max(16, g_pad), BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
+                    DOT_PRECISION=None),
                cfg["num_warps"], cfg["num_stages"])
-    yield ("decode attention reduce", pa._paged_decode_reduce_kernel,
-           dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", cu_q_ptr="*i32", out_ptr=p, num_splits=4,
-                stride_ot=HQ * HEAD, stride_oh=HEAD, Hq=HQ, HEAD_DIM=HEAD, D_PAD=HEAD, BLOCK_S=16), 4, 3)
+    yield (f"decode attention reduce {tag}", pa._paged_decode_reduce_kernel,
+           dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", cu_q_ptr="*i32", out_ptr=p,
+                sinks_ptr="*fp32", num_splits=4, stride_ot=hq * dv, stride_oh=dv, Hq=hq,
+                HEAD_DIM_V=dv, DV_PAD=dv_pad, BLOCK_S=16, HAS_SINKS=sinks), 4, 3)
+
+
+def routing_forms():
+    """biased_topk as its launcher calls it: DeepSeek-V3 (256 experts, 8 groups keep 4, top-8,
+    sigmoid + bias, scaled), a 128-expert softmax router (top-8) and Qwen3-Next's 512 (top-10),
+    gpt-oss's 32 experts (softmax, top-4)."""
+    rt = importlib.import_module("triton_kernels.routing")
+    for e, k, n_group, topk_group, softmax, bias in ((256, 8, 8, 4, False, True),
+                                                       (128, 8, 1, 1, True, False),
+                                                       (512, 10, 1, 1, True, False),
+                                                       (32, 4, 1, 1, True, False)):
+        g_pad, s_pad = triton_next_pow2(n_group), triton_next_pow2(e // n_group)
+        yield (f"biased_topk E{e} k{k} groups{n_group}/{topk_group} "
+               f"{'softmax' if softmax else 'sigmoid'}{' bias' if bias else ''}",
+               rt._biased_topk_kernel,
+               dict(logits_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", T=100,
+                    stride_lt=e, stride_le=1, scale=2.5, E=e, K=k, SOFTMAX=softmax,
+                    HAS_BIAS=bias, GROUP_SIZE=e // n_group, N_GROUP=n_group,
+                    TOPK_GROUP=topk_group, RENORMALIZE=True,
+                    BLOCK_T=max(1, min(16, 2048 // (g_pad * s_pad))), G_PAD=g_pad, S_PAD=s_pad,
+                    BLOCK_K=triton_next_pow2(k)), 4, 3)
 
 
 def small_forms(p: str):
@@ -170,9 +219,14 @@ def small_forms(p: str):
 def forms(dtype: str):
     p = POINTER[dtype]
     yield from moe_forms(p)
+    yield from moe_forms(p, **OSS_MOE)
     yield from align_forms()
     yield from attention_forms(p)
+    for window in (None, OSS_WINDOW):        # gpt-oss alternates full and sliding layers
+        yield from attention_forms(p, OSS_HQ, OSS_HK, OSS_HEAD, OSS_HEAD, window, True, "gpt-oss")
+    yield from attention_forms(p, DS_HQ, DS_HQ, DS_DK, DS_DV, label="deepseek-v3")
     yield from small_forms(p)
+    yield from routing_forms()
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,9 @@
 Every public op dispatches on its input: CUDA tensors with Triton available run the Triton
 kernel, anything else runs the torch reference (which is also the correctness oracle).
 This package knows nothing of requests, models or the server: it imports torch and triton only.
+Ops: rms_norm, apply_rope, silu_and_mul, topk_softmax and biased_topk (routing), fused_moe (with
+expert biases and a MoeActivation: SILU or gpt-oss's SWIGLU_OAI), write_kv, paged_attention
+(sliding window, attention sinks, V head dim != K head dim).
 """
 
 from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs
@@ -10,8 +13,9 @@ from triton_kernels.rms_norm import rms_norm, rms_norm_reference
 from triton_kernels.rope import apply_rope, apply_rope_reference
 from triton_kernels.silu_mul import silu_and_mul, silu_and_mul_reference
 from triton_kernels.topk_softmax import topk_softmax, topk_softmax_reference
-from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, fused_moe, fused_moe_autotune_keys,
-                                      fused_moe_reference)
+from triton_kernels.routing import biased_topk, biased_topk_reference
+from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, SILU, SWIGLU_OAI, MoeActivation,
+                                      fused_moe, fused_moe_autotune_keys, fused_moe_reference)
 from triton_kernels.kv_write import write_kv, write_kv_reference
 from triton_kernels.paged_attention import paged_attention, paged_attention_reference
 
@@ -21,7 +25,9 @@ __all__ = [
     "apply_rope", "apply_rope_reference",
     "silu_and_mul", "silu_and_mul_reference",
     "topk_softmax", "topk_softmax_reference",
+    "biased_topk", "biased_topk_reference",
     "fused_moe", "fused_moe_reference", "fused_moe_autotune_keys", "FUSED_MOE_TOKEN_BUCKETS",
+    "MoeActivation", "SILU", "SWIGLU_OAI",
     "write_kv", "write_kv_reference",
     "paged_attention", "paged_attention_reference",
 ]

@@ -3,7 +3,12 @@
 x: [T, D]; w13: [S, 2I, D] (gate rows then up rows, per expert slot); w2: [S, D, I];
 topk_weights: [T, k] (any float dtype; applied in x's dtype); topk_ids: [T, k] expert ids.
 slot_map: optional [E] int tensor mapping expert id -> slot in w13/w2 (the GPU expert cache's
-pool); None means slot == expert id. Returns [T, D] = sum_j w_j * down(silu(gate) * up).
+pool); None means slot == expert id. b13: optional [S, 2I] (gate biases then up biases) and
+b2: optional [S, D] expert biases (gpt-oss), indexed by slot like the weights, in x's dtype.
+activation: SILU, act = silu(gate) * up; or SWIGLU_OAI (gpt-oss), g = min(gate, limit),
+u = clamp(up, -limit, limit), act = (u + 1) * g * sigmoid(alpha * g). gate and up are not
+interleaved: rows [0, I) of w13 are gate, [I, 2I) up. Returns [T, D] =
+sum_j w_j * (act(x @ w13^T + b13) @ w2^T + b2), each linear output rounded to x's dtype.
 
 The Triton path has two forms, picked by token count (_moe_path):
 - GEMV, up to _GEMV_MAX_TOKENS tokens (decode), two launches and no sort: (1) per (token, k)
@@ -18,6 +23,7 @@ The Triton path has two forms, picked by token count (_moe_path):
   each token's k rows.
 """
 
+import dataclasses
 import inspect
 
 import torch
@@ -27,9 +33,43 @@ from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, us
 from triton_kernels.moe_align import moe_align
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeActivation:
+    """The experts' gated activation. "silu": silu(gate) * up (alpha and limit unused);
+    "swiglu_oai" (gpt-oss): gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        if self.kind not in _ACTIVATIONS:
+            raise ValueError(f"MoeActivation: kind must be one of {_ACTIVATIONS}, got "
+                             f"{self.kind!r}")
+
+
+_ACTIVATIONS = ("silu", "swiglu_oai")
+SILU = MoeActivation("silu")
+SWIGLU_OAI = MoeActivation("swiglu_oai")
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor, activation: MoeActivation) -> torch.Tensor:
+    """[n, I] gate and up (x's dtype) -> act [n, I], rounded as the kernels round."""
+    if activation.kind == "silu":
+        return F.silu(gate) * up
+    # Clamp exactly in the dtype, compute in float32, round once (the kernels do the same).
+    g = gate.clamp(max=activation.limit).float()
+    u = up.clamp(min=-activation.limit, max=activation.limit).float()
+    return ((u + 1) * g * torch.sigmoid(activation.alpha * g)).to(gate.dtype)
+
+
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        slot_map: torch.Tensor | None = None) -> torch.Tensor:
+                        slot_map: torch.Tensor | None = None, *,
+                        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                        activation: MoeActivation = SILU) -> torch.Tensor:
+    if not isinstance(activation, MoeActivation):
+        raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     # Group (token, k) pairs by expert so each expert runs one matmul, like HF's loop.
@@ -37,8 +77,14 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         token_idx, pos = torch.where(topk_ids == e)
         slot = e if slot_map is None else int(slot_map[e])
         h = x[token_idx]
-        gate, up = F.linear(h, w13[slot]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[slot])
+        # A separate bias add (HF's `x @ W + b`): the linear output rounds, then the sum.
+        gate_up = F.linear(h, w13[slot])
+        if b13 is not None:
+            gate_up = gate_up + b13[slot]
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.linear(_activate(gate, up, activation), w2[slot])
+        if b2 is not None:
+            h = h + b2[slot]
         h = h * topk_weights[token_idx, pos, None].to(h.dtype)
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
@@ -103,15 +149,29 @@ def _tile_ids(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _gated_act(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """gate, up (x's dtype, any shape) -> act in x's dtype, rounded as _activate rounds."""
+    if ACTIVATION == "swiglu_oai":
+        g = tl.minimum(gate.to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+        act = ((u + 1.0) * g / (1.0 + tl.exp(-alpha * g))).to(gate.dtype)
+    else:
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype) * up
+    return act
+
+
 @triton.jit(do_not_specialize=["num_pairs", "M_BUCKET"])
-def _moe_gemm1_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
-                      num_pairs, M_BUCKET, N, K, stride_xt, stride_ws, stride_wn, stride_at,
-                      TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _moe_gemm1_kernel(x_ptr, w13_ptr, b13_ptr, act_ptr, sorted_ids_ptr, block_slot_ptr,
+                      num_padded_ptr, num_pairs, M_BUCKET, N, K, stride_xt, stride_ws, stride_wn,
+                      stride_bs, stride_at, alpha, limit, TOP_K: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
-    # act[r, n] = silu(x[tok(r)] . w13[slot, n]) * (x[tok(r)] . w13[slot, N + n]) for the
-    # BLOCK_M padded rows r of one expert block and BLOCK_N of the N = I columns.
-    # M_BUCKET only feeds the autotune key.
+    # act[r, n] = act(x[tok(r)] . w13[slot, n] (+ b13[slot, n]), x[tok(r)] . w13[slot, N + n]
+    # (+ b13[slot, N + n])) for the BLOCK_M padded rows r of one expert block and BLOCK_N of
+    # the N = I columns. M_BUCKET only feeds the autotune key.
     pid_m, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -139,21 +199,27 @@ def _moe_gemm1_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_slot_ptr, n
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    # Round as the reference does: linear outputs, then silu, then the product, in x's dtype.
+    # Round as the reference does: linear outputs, then + bias, then the activation, in x's dtype.
     dtype = x_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype) * acc_up.to(dtype)
+    gate = acc_gate.to(dtype)
+    up = acc_up.to(dtype)
+    if HAS_BIAS:
+        b_ptrs = b13_ptr + slot * stride_bs + offs_n
+        gate = gate + tl.load(b_ptrs, mask=mask_n, other=0.0)[None, :]
+        up = up + tl.load(b_ptrs + N, mask=mask_n, other=0.0)[None, :]
+    act = _gated_act(gate, up, alpha, limit, ACTIVATION)
     tl.store(act_ptr + offs_m.to(tl.int64)[:, None] * stride_at + offs_n[None, :], act,
              mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "M_BUCKET"])
-def _moe_gemm2_kernel(act_ptr, w2_ptr, out_ptr, sorted_ids_ptr, block_slot_ptr, num_padded_ptr,
-                      topk_w_ptr, num_pairs, M_BUCKET, N, K, stride_at, stride_ws, stride_wn,
-                      stride_ot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
-    # out[pair(r), n] = w(pair) * (act[r] . w2[slot, n]) for N = D output columns, K = I.
+def _moe_gemm2_kernel(act_ptr, w2_ptr, b2_ptr, out_ptr, sorted_ids_ptr, block_slot_ptr,
+                      num_padded_ptr, topk_w_ptr, num_pairs, M_BUCKET, N, K, stride_at, stride_ws,
+                      stride_wn, stride_bs, stride_ot, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # out[pair(r), n] = w(pair) * (act[r] . w2[slot, n] (+ b2[slot, n])) for N = D output
+    # columns, K = I.
     pid_m, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -176,7 +242,10 @@ def _moe_gemm2_kernel(act_ptr, w2_ptr, out_ptr, sorted_ids_ptr, block_slot_ptr, 
         w_ptrs += BLOCK_K
     dtype = out_ptr.dtype.element_ty
     route_w = tl.load(topk_w_ptr + pair, mask=mask_m, other=0.0).to(dtype)
-    y = acc.to(dtype) * route_w[:, None]
+    y = acc.to(dtype)
+    if HAS_BIAS:
+        y = y + tl.load(b2_ptr + slot * stride_bs + offs_n, mask=mask_n, other=0.0)[None, :]
+    y = y * route_w[:, None]
     tl.store(out_ptr + pair.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], y,
              mask=mask_m[:, None] & mask_n[None, :])
 
@@ -205,12 +274,14 @@ def _expert_slot(ids_ptr, slot_map_ptr, pair, HAS_SLOT_MAP: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M_BUCKET"])
-def _moe_gemv1_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, slot_map_ptr, M_BUCKET, N, K,
-                      stride_xt, stride_ws, stride_wn, stride_at, TOP_K: tl.constexpr,
-                      HAS_SLOT_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Grid (T*k pairs, cdiv(N, BLOCK_N)); N = I, K = D. act[p, n] = silu(x[t] . w13[s, n]) *
-    # (x[t] . w13[s, N + n]) for pair p = t*k + j, s the slot of expert ids[p]. One row, so
-    # multiply-and-sum in float32 rather than tl.dot (which pads to 16 rows).
+def _moe_gemv1_kernel(x_ptr, w13_ptr, b13_ptr, act_ptr, ids_ptr, slot_map_ptr, M_BUCKET, N, K,
+                      stride_xt, stride_ws, stride_wn, stride_bs, stride_at, alpha, limit,
+                      TOP_K: tl.constexpr, HAS_SLOT_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      ACTIVATION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Grid (T*k pairs, cdiv(N, BLOCK_N)); N = I, K = D. act[p, n] = act(x[t] . w13[s, n]
+    # (+ b13[s, n]), x[t] . w13[s, N + n] (+ b13[s, N + n])) for pair p = t*k + j, s the slot
+    # of expert ids[p]. One row, so multiply-and-sum in float32 rather than tl.dot (which
+    # pads to 16 rows).
     # M_BUCKET only feeds the autotune key.
     pair = tl.program_id(0)
     slot = _expert_slot(ids_ptr, slot_map_ptr, pair, HAS_SLOT_MAP)
@@ -233,20 +304,27 @@ def _moe_gemv1_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, slot_map_ptr, M_BUCKET, 
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    # Round as the reference does: linear outputs, then silu, then the product, in x's dtype.
+    # Round as the reference does: linear outputs, then + bias, then the activation, in x's dtype.
     dtype = x_ptr.dtype.element_ty
-    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype) * tl.sum(acc_up, axis=1).to(dtype)
+    gate = tl.sum(acc_gate, axis=1).to(dtype)
+    up = tl.sum(acc_up, axis=1).to(dtype)
+    if HAS_BIAS:
+        b_ptrs = b13_ptr + slot * stride_bs + offs_n
+        gate = gate + tl.load(b_ptrs, mask=mask_n, other=0.0)
+        up = up + tl.load(b_ptrs + N, mask=mask_n, other=0.0)
+    act = _gated_act(gate, up, alpha, limit, ACTIVATION)
     tl.store(act_ptr + pair.to(tl.int64) * stride_at + offs_n, act, mask=mask_n)
 
 
 @triton.jit(do_not_specialize=["M_BUCKET"])
-def _moe_gemv2_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, slot_map_ptr, topk_w_ptr, M_BUCKET,
-                      N, K, stride_at, stride_ws, stride_wn, stride_ot, TOP_K: tl.constexpr,
-                      HAS_SLOT_MAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_gemv2_kernel(act_ptr, w2_ptr, b2_ptr, out_ptr, ids_ptr, slot_map_ptr, topk_w_ptr,
+                      M_BUCKET, N, K, stride_at, stride_ws, stride_wn, stride_bs, stride_ot,
+                      TOP_K: tl.constexpr, HAS_SLOT_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Grid (T, cdiv(N, BLOCK_N)); N = D, K = I. out[t, n] = sum_j w[t, j] * (act[t*k + j] .
-    # w2[s_j, n]): the k terms are summed in float32 registers and stored once, so the result
-    # is deterministic and needs no atomics, zeroed buffer or separate sum kernel.
+    # w2[s_j, n] (+ b2[s_j, n])): the k terms are summed in float32 registers and stored
+    # once, so the result is deterministic and needs no atomics, zeroed buffer or separate sum
+    # kernel.
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -271,7 +349,10 @@ def _moe_gemv2_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, slot_map_ptr, topk_w_pt
             w_ptrs += BLOCK_K
         # As _moe_gemm2_kernel: the linear output, then its weighted product, in dtype.
         route_w = tl.load(topk_w_ptr + pair).to(dtype)
-        acc_out += (tl.sum(acc, axis=1).to(dtype) * route_w).to(tl.float32)
+        y = tl.sum(acc, axis=1).to(dtype)
+        if HAS_BIAS:
+            y = y + tl.load(b2_ptr + slot * stride_bs + offs_n, mask=mask_n, other=0.0)
+        acc_out += (y * route_w).to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_ot + offs_n, acc_out.to(dtype), mask=mask_n)
 
 
@@ -322,9 +403,10 @@ def _launch(kernel, tuned, grid, args: tuple, **kwargs):
         tuned[lambda meta: grid(meta["BLOCK_N"])](*args, **kwargs)
 
 
-def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_map=None, path="auto"):
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None, b2=None,
+                     activation: MoeActivation = SILU, path="auto"):
     """path: "auto" runs _moe_path(T)'s form; "gemv" or "grouped" forces one (benchmarks)."""
-    _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map)
+    _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if path not in _PATHS:
         raise ValueError(f"fused_moe: path must be one of {_PATHS}, got {path!r}")
     out = torch.empty_like(x)
@@ -334,11 +416,33 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_map=None, path="au
     if path == "auto":
         path = _moe_path(t)
     run = _fused_moe_gemv if path == "gemv" else _fused_moe_grouped
-    run(x, w13, w2, topk_weights, topk_ids, slot_map, out)
+    run(x, w13, w2, topk_weights, topk_ids, slot_map, out, _Epilogue.of(x, b13, b2, activation))
     return out
 
 
-def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, slot_map, out):
+@dataclasses.dataclass(frozen=True)
+class _Epilogue:
+    """The bias and activation arguments both forms pass their kernels. Without a bias the
+    kernels never read the pointer (HAS_BIAS=False); x stands in for it."""
+    b13: torch.Tensor
+    b2: torch.Tensor
+    stride_b13: int
+    stride_b2: int
+    has_b13: bool
+    has_b2: bool
+    activation: MoeActivation
+
+    @staticmethod
+    def of(x, b13, b2, activation):
+        return _Epilogue(x if b13 is None else b13, x if b2 is None else b2,
+                         0 if b13 is None else b13.stride(0), 0 if b2 is None else b2.stride(0),
+                         b13 is not None, b2 is not None, activation)
+
+    def act_args(self):
+        return self.activation.alpha, self.activation.limit
+
+
+def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, slot_map, out, epi):
     t, d = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -349,16 +453,17 @@ def _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, slot_map, out):
     slots = ids if slot_map is None else slot_map
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _launch(_moe_gemv1_kernel, _GEMV1, lambda block_n: (num_pairs, triton.cdiv(inter, block_n)),
-            (x, w13, act, ids, slots, bucket, inter, d, x.stride(0), w13.stride(0),
-             w13.stride(1), act.stride(0)),
-            TOP_K=top_k, HAS_SLOT_MAP=slot_map is not None)
+            (x, w13, epi.b13, act, ids, slots, bucket, inter, d, x.stride(0), w13.stride(0),
+             w13.stride(1), epi.stride_b13, act.stride(0), *epi.act_args()),
+            TOP_K=top_k, HAS_SLOT_MAP=slot_map is not None, HAS_BIAS=epi.has_b13,
+            ACTIVATION=epi.activation.kind)
     _launch(_moe_gemv2_kernel, _GEMV2, lambda block_n: (t, triton.cdiv(d, block_n)),
-            (act, w2, out, ids, slots, topk_weights.reshape(-1), bucket, d, inter,
-             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0)),
-            TOP_K=top_k, HAS_SLOT_MAP=slot_map is not None)
+            (act, w2, epi.b2, out, ids, slots, topk_weights.reshape(-1), bucket, d, inter,
+             act.stride(0), w2.stride(0), w2.stride(1), epi.stride_b2, out.stride(0)),
+            TOP_K=top_k, HAS_SLOT_MAP=slot_map is not None, HAS_BIAS=epi.has_b2)
 
 
-def _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, slot_map, out):
+def _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, slot_map, out, epi):
     t, d = x.shape
     inter = w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -375,9 +480,11 @@ def _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, slot_map, out):
     act = torch.empty(max_blocks * block_m, inter, dtype=x.dtype, device=x.device)
     _launch(_moe_gemm1_kernel, _GEMM1[decode],
             lambda block_n: (max_blocks * triton.cdiv(inter, block_n),),
-            (x, w13, act, sorted_ids, block_slot, num_padded, num_pairs, bucket, inter, d,
-             x.stride(0), w13.stride(0), w13.stride(1), act.stride(0)),
-            TOP_K=top_k, BLOCK_M=block_m, GROUP_M=_GROUP_M, DOT_PRECISION=precision)
+            (x, w13, epi.b13, act, sorted_ids, block_slot, num_padded, num_pairs, bucket, inter,
+             d, x.stride(0), w13.stride(0), w13.stride(1), epi.stride_b13, act.stride(0),
+             *epi.act_args()),
+            TOP_K=top_k, HAS_BIAS=epi.has_b13, ACTIVATION=epi.activation.kind, BLOCK_M=block_m,
+            GROUP_M=_GROUP_M, DOT_PRECISION=precision)
     # Each pair's weighted output gets its own row, summed per token afterwards, rather than
     # atomically added into a float32 [T, D] buffer: the result is deterministic, nothing
     # needs zeroing (autotune reruns are harmless), and no extra float32 -> dtype pass runs;
@@ -385,10 +492,10 @@ def _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, slot_map, out):
     pairs = out if top_k == 1 else torch.empty(num_pairs, d, dtype=x.dtype, device=x.device)
     _launch(_moe_gemm2_kernel, _GEMM2[decode],
             lambda block_n: (max_blocks * triton.cdiv(d, block_n),),
-            (act, w2, pairs, sorted_ids, block_slot, num_padded, topk_weights.contiguous(),
-             num_pairs, bucket, d, inter, act.stride(0), w2.stride(0), w2.stride(1),
-             pairs.stride(0)),
-            BLOCK_M=block_m, GROUP_M=_GROUP_M, DOT_PRECISION=precision)
+            (act, w2, epi.b2, pairs, sorted_ids, block_slot, num_padded,
+             topk_weights.contiguous(), num_pairs, bucket, d, inter, act.stride(0), w2.stride(0),
+             w2.stride(1), epi.stride_b2, pairs.stride(0)),
+            HAS_BIAS=epi.has_b2, BLOCK_M=block_m, GROUP_M=_GROUP_M, DOT_PRECISION=precision)
     if top_k > 1:
         block_d = min(triton.next_power_of_2(d), 1024)
         _moe_sum_kernel[(t, triton.cdiv(d, block_d))](
@@ -396,7 +503,8 @@ def _fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, slot_map, out):
             num_warps=4)
 
 
-def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map):
+def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map, b13=None, b2=None,
+                    activation=SILU):
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused_moe: x [T, D], w13 [S, 2I, D], w2 [S, D, I] expected, got "
                          f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -419,9 +527,16 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map):
                          f"{tuple(slot_map.shape)} {slot_map.dtype}")
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe: x, w13 and w2 need a contiguous last dimension")
+    for name, bias, shape in (("b13", b13, (s, two_i)), ("b2", b2, (s, d))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != x.dtype
+                                 or bias.stride(1) != 1):
+            raise ValueError(f"fused_moe: {name} must be {list(shape)} {x.dtype} with a contiguous "
+                             f"last dimension, got {tuple(bias.shape)} {bias.dtype}")
+    if not isinstance(activation, MoeActivation):
+        raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
 
 
-def fused_moe(x, w13, w2, topk_weights, topk_ids, slot_map=None):
-    if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, slot_map)
-    return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, slot_map)
+def fused_moe(x, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None, b2=None,
+              activation: MoeActivation = SILU):
+    op = fused_moe_triton if use_triton(x) else fused_moe_reference
+    return op(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13, b2=b2, activation=activation)

@@ -1,11 +1,18 @@
 """Causal attention of a flat batch of query tokens over the paged KV cache (GQA).
 
 One op serves prefill, chunked prefill over a cached prefix, and decode:
-q: [T, Hq, D] for B sequences laid end to end; cu_seqlens_q: [B+1] int32 offsets into T;
+q: [T, Hq, Dk] for B sequences laid end to end; cu_seqlens_q: [B+1] int32 offsets into T;
 seq_lens: [B] int32 total context per sequence *including* this step's tokens (the new
 keys are already written to the cache); block_tables: [B, M] int32 block ids;
-k_cache, v_cache: [NB, BS, Hk, D]. Query i of sequence b sits at position
-seq_lens[b] - q_len_b + i and sees keys 0..that position. Returns [T, Hq, D].
+k_cache: [NB, BS, Hk, Dk], v_cache: [NB, BS, Hk, Dv] (Dv may differ from Dk, as in
+DeepSeek's prefill: K 192 wide, V 128). Query i of sequence b sits at position
+p = seq_lens[b] - q_len_b + i and sees keys 0..p. Returns [T, Hq, Dv].
+
+sliding_window W (gpt-oss, Gemma-style local layers): p sees key j iff p - W < j <= p
+(Hugging Face's `kv_idx > q_idx - sliding_window`); the kernels skip tiles wholly before the
+window, so a long context costs O(W). sinks [Hq] (gpt-oss): one extra logit per head, not
+scaled, that joins each query's softmax and takes mass but has no value:
+out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m)).
 """
 
 import functools
@@ -21,11 +28,20 @@ from triton_kernels._dispatch import interpreting, tl, triton, use_triton
 _MIN_TILES_PER_SPLIT = 4
 _MAX_SPLITS = 64
 _DEFAULT_NUM_SMS = 132     # an H100/H200, for the plan when the tensors live on the CPU
+# The kernels' stand-in for "no window": wider than any context, small enough that
+# p - _NO_WINDOW + 1 stays in int32.
+_NO_WINDOW = 1 << 30
+_LOG2E = math.log2(math.e)
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                              scale: float):
-    out = torch.empty_like(q)
+                              scale: float, max_seqlen_q: int | None = None, *,
+                              sliding_window: int | None = None,
+                              sinks: torch.Tensor | None = None):
+    """max_seqlen_q is accepted for the same signature as the Triton path and unused."""
+    # Only the new options are checked: CPU callers' layouts (strides, dtypes) stay free.
+    _check_window_and_sinks(q.shape[1], sliding_window, sinks)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     # Decodes (one query each) go together in one padded batch: the CPU serves with this
@@ -34,65 +50,105 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, s
     if decodes:
         rows = [cu[b] for b in decodes]
         out[rows] = _decode_batch(q[rows], k_cache, v_cache, block_tables[decodes],
-                                  [lens[b] for b in decodes], scale)
+                                  [lens[b] for b in decodes], scale, sliding_window, sinks)
     for b in range(len(lens)):
         n_q = cu[b + 1] - cu[b]
         if n_q > 1:
             out[cu[b]:cu[b + 1]] = _prefill_one(q[cu[b]:cu[b + 1]], k_cache, v_cache,
-                                                block_tables[b], lens[b], scale)
+                                                block_tables[b], lens[b], scale,
+                                                sliding_window, sinks)
     return out
 
 
-def _gather_kv(cache, tables, ctx: int):
-    """[B, M] block tables -> [B, ctx, Hk, D] keys or values (padding ids read block 0)."""
+def _gather_kv(cache, tables, pos):
+    """[B, M] block tables, [B, L] key positions -> [B, L, Hk, D] keys or values.
+
+    Padding table ids (-1) read block 0; callers mask whatever they did not ask for."""
     bs = cache.shape[1]
-    blocks = tables[:, : (ctx + bs - 1) // bs].long().clamp(min=0)
-    return cache[blocks].flatten(1, 2)[:, :ctx]
+    blocks = tables.long().gather(1, pos // bs).clamp(min=0)
+    return cache[blocks, pos % bs]
 
 
-def _decode_batch(q, k_cache, v_cache, tables, lens: list[int], scale: float):
-    # q [B, Hq, D]; keys padded to the longest context and masked past each one's length.
-    b, hq, d = q.shape
+def _key_positions(lens: list[int], first: list[int], device):
+    """Keys first[b]..lens[b]-1 of each sequence, padded to the longest span:
+    ([B, L] positions clamped into range, [B, L] valid)."""
+    span = max(n - f for n, f in zip(lens, first))
+    start = torch.tensor(first, device=device)[:, None]
+    end = torch.tensor(lens, device=device)[:, None]
+    pos = start + torch.arange(span, device=device)[None, :]
+    return pos.clamp(max=end - 1).clamp(min=0), pos < end
+
+
+def _softmax_with_sinks(scores, sinks):
+    """softmax over the last axis of float32 scores [..., Hq', L], with an extra sink logit per
+    head when sinks [...Hq'] broadcast against scores[..., 0] (the sink's mass is dropped)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().expand(scores.shape[:-1])[..., None]
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def _decode_batch(q, k_cache, v_cache, tables, lens: list[int], scale: float, window, sinks):
+    # q [B, Hq, Dk]; keys of each sequence's window (all of it without one), padded to the
+    # longest span and masked past each one's length.
+    b, hq, dk = q.shape
     hk = k_cache.shape[2]
-    ctx = max(lens)
-    k = _gather_kv(k_cache, tables, ctx).to(q.dtype)              # [B, L, Hk, D]
-    v = _gather_kv(v_cache, tables, ctx).to(q.dtype)
-    qg = q.view(b, hk, hq // hk, d)                               # [B, Hk, G, D]
+    first = [max(0, n - window) if window else 0 for n in lens]
+    pos, valid = _key_positions(lens, first, q.device)                   # [B, L]
+    k = _gather_kv(k_cache, tables, pos).to(q.dtype)              # [B, L, Hk, Dk]
+    v = _gather_kv(v_cache, tables, pos).to(q.dtype)              # [B, L, Hk, Dv]
+    qg = q.view(b, hk, hq // hk, dk)                              # [B, Hk, G, Dk]
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale       # [B, Hk, G, L]
-    length = torch.tensor(lens, device=q.device)
-    valid = torch.arange(ctx, device=q.device)[None, :] < length[:, None]   # [B, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, d)
+    sink = None if sinks is None else sinks.view(hk, hq // hk)
+    probs = _softmax_with_sinks(scores.float(), sink).to(q.dtype)
+    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, v.shape[-1])
 
 
-def _prefill_one(q, k_cache, v_cache, table, ctx: int, scale: float):
-    # q [n_q, Hq, D] at positions ctx - n_q .. ctx - 1, causal over the cached prefix.
+def _prefill_one(q, k_cache, v_cache, table, ctx: int, scale: float, window, sinks):
+    # q [n_q, Hq, Dk] at positions ctx - n_q .. ctx - 1, causal over the cached prefix; only
+    # keys from the first query's window on are gathered.
     n_q, hq, _ = q.shape
     hk = k_cache.shape[2]
-    k = _gather_kv(k_cache, table[None], ctx)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, D]
-    v = _gather_kv(v_cache, table[None], ctx)[0].transpose(0, 1).to(q.dtype)
+    first = max(0, ctx - n_q - window + 1) if window else 0
+    pos, _ = _key_positions([ctx], [first], q.device)
+    k = _gather_kv(k_cache, table[None], pos)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, Dk]
+    v = _gather_kv(v_cache, table[None], pos)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, Dv]
     k = k.repeat_interleave(hq // hk, dim=0)
     v = v.repeat_interleave(hq // hk, dim=0)
-    q_pos = torch.arange(ctx - n_q, ctx, device=q.device)
-    mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]      # [n_q, L]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
+    mask = pos <= q_pos                                                         # [n_q, L]
+    if window:
+        mask &= pos > q_pos - window
+    qt = q.transpose(0, 1)                                                      # [Hq, n_q, Dk]
+    if sinks is None:
+        o = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale)
+    else:
+        # SDPA has no sink logit: the same math spelled out (HF's eager gpt-oss attention).
+        scores = (qt @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
+        probs = _softmax_with_sinks(scores.float(), sinks[:, None]).to(q.dtype)
+        o = probs @ v
     return o.transpose(0, 1)
 
 
 @triton.jit
 def _attend_kv_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-                     kv_start, kv_end, stride_kb, stride_ks, stride_kh,
+                     kv_start, kv_end, window, stride_kb, stride_ks, stride_kh,
                      stride_vb, stride_vs, stride_vh, qk_scale, BS,
-                     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     D_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     D_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
     """Online softmax of q [M, D_PAD] over keys kv_start..kv_end, BLOCK_N keys a step.
 
     Scores are kept in the log2 domain (qk_scale = scale * log2 e). A tile may span several
-    cache blocks: each key finds its block id through the table. Returns (acc, m_i, l_i).
+    cache blocks: each key finds its block id through the table. MASKED tiles apply each
+    row's own visibility, q_pos - window < j <= q_pos; the others are visible to every row.
+    Returns (acc [M, DV_PAD], m_i, l_i).
     """
     offs_d = tl.arange(0, D_PAD)
     mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, DV_PAD)
+    mask_dv = offs_dv < HEAD_DIM_V
     for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
@@ -103,8 +159,9 @@ def _attend_kv_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_pt
                       mask=mask_d[:, None] & mask_n[None, :], other=0.0)       # [D_PAD, N]
         s = tl.dot(q, k_t.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
         valid = mask_n[None, :]
-        if CAUSAL:
+        if MASKED:
             valid = valid & (offs_n[None, :] <= q_pos[:, None])
+            valid = valid & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows with no visible key yet keep m = -inf; subtract 0 so exp2 gives 0, not NaN.
@@ -113,24 +170,40 @@ def _attend_kv_range(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_pt
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)         # [N, D_PAD]
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)        # [N, DV_PAD]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit
+def _finish(acc, m_i, l_i, sinks_ptr, heads, mask_rows, HAS_SINKS: tl.constexpr):
+    """acc / l, the softmax denominator gaining exp2(sink2 - m) per row (sink2 = sink * log2 e,
+    in the scores' log2 domain) when HAS_SINKS. Rows with no key and no sink give 0."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=mask_rows, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)                      # m_i = -inf (no key): alpha 0
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
-                          qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BS,
-                          G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr):
+                          sinks_ptr, qk_scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                          stride_vh, BS, G: tl.constexpr, G_PAD: tl.constexpr,
+                          BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          D_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr,
+                          HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Grid (query blocks, B, Hk). A program's BLOCK_M = BLOCK_Q * G_PAD rows are BLOCK_Q
     # query tokens times the G query heads sharing kv_head, so each K/V tile is read once
     # for the whole group. Row r is token r // G_PAD, head kv_head * G + r % G_PAD.
+    # window is the sliding window, or _NO_WINDOW for full causal attention.
     q_block = tl.program_id(0)      # axis 0: up to 2^31 - 1 blocks; axes 1 and 2 stop at 65535
     b = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -141,47 +214,60 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_q_ptr, seq
     ctx = tl.load(seq_lens_ptr + b)
     offs_m = tl.arange(0, BLOCK_Q * G_PAD)
     offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
     q_i = q_block * BLOCK_Q + offs_m // G_PAD
     g = offs_m % G_PAD
     mask_m = (q_i < q_len) & (g < G)
-    mask = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
     heads = kv_head * G + g
     q_row = (q_start + q_i).to(tl.int64)
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask, other=0.0)
-    q_pos = ctx - q_len + q_i                        # this query sees keys 0..q_pos
-    kv_end = tl.minimum(ctx, ctx - q_len + (q_block + 1) * BLOCK_Q)
-    acc = tl.zeros((BLOCK_Q * G_PAD, D_PAD), dtype=tl.float32)
+                mask=mask_m[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    q_pos = ctx - q_len + q_i                        # this query sees keys q_pos-window+1..q_pos
+    first_pos = ctx - q_len + q_block * BLOCK_Q      # the block's queries: first_pos..kv_end-1
+    kv_end = tl.minimum(ctx, first_pos + BLOCK_Q)
+    acc = tl.zeros((BLOCK_Q * G_PAD, DV_PAD), dtype=tl.float32)
     m_i = tl.full((BLOCK_Q * G_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q * G_PAD,), dtype=tl.float32)
-    # Keys up to the block's first query position are visible to every query of the block:
-    # those whole tiles skip the causal mask, and only the tiles along the diagonal pay it.
+    # Three key ranges, tile-aligned: [lo, mid) reaches back to the first query's window
+    # edge and is masked per row; [mid, full_end) is visible to every query of the block
+    # (after the last query's window edge, up to the first query's position) and skips the
+    # mask; [full_end, kv_end) is the diagonal, masked. Tiles before lo are never read.
     table = bt_ptr + b.to(tl.int64) * stride_bt
-    full_end = tl.minimum((ctx - q_len + q_block * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, kv_end)
+    lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    full_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end)
+    mid = tl.minimum(tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N) * BLOCK_N, full_end)
     acc, m_i, l_i = _attend_kv_range(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, 0, full_end,
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, lo, mid, window,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        qk_scale, BS, False, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION)
+        qk_scale, BS, True, BLOCK_N, HEAD_DIM, D_PAD, HEAD_DIM_V, DV_PAD, DOT_PRECISION)
+    acc, m_i, l_i = _attend_kv_range(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, mid, full_end, window,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        qk_scale, BS, False, BLOCK_N, HEAD_DIM, D_PAD, HEAD_DIM_V, DV_PAD, DOT_PRECISION)
     acc, m_i, l_i = _attend_kv_range(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, full_end, kv_end,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        qk_scale, BS, True, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+        window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        qk_scale, BS, True, BLOCK_N, HEAD_DIM, D_PAD, HEAD_DIM_V, DV_PAD, DOT_PRECISION)
+    out = _finish(acc, m_i, l_i, sinks_ptr, heads, mask_m, HAS_SINKS)
+    tl.store(out_ptr + q_row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :],
+             out.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "split_tokens", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "split_tokens", "stride_bt", "window"])
 def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_q_ptr, seq_lens_ptr, out_ptr,
-                         part_o_ptr, part_lse_ptr, qk_scale, num_splits, split_tokens,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                         part_o_ptr, part_lse_ptr, sinks_ptr, qk_scale, window, num_splits,
+                         split_tokens, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BS,
                          Hq: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr, SPLIT: tl.constexpr,
+                         HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Grid (B, Hk, num_splits): the G query heads of one kv head (rows padded to G_PAD >= 16
-    # for tl.dot) over one chunk of the context. With SPLIT the chunk's normalised output and
-    # log-sum-exp go to part_o [B, Hq, S, D_PAD] / part_lse [B, Hq, S] for the reduce kernel.
+    # for tl.dot) over one chunk of the keys the query sees, max(0, ctx - window)..ctx-1 (a
+    # plain range: decode needs no per-key mask). With SPLIT the chunk's normalised output
+    # and log-sum-exp go to part_o [B, Hq, S, DV_PAD] / part_lse [B, Hq, S] for the reduce
+    # kernel, which adds the sink once; without, this program adds it.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -190,64 +276,74 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, cu_q_ptr, seq_
     ctx = tl.load(seq_lens_ptr + b)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
     mask_g = offs_g < num_rows
     heads = kv_head * G + offs_g
     q = tl.load(q_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=mask_g[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    kv_start = split * split_tokens
+    kv_start = tl.maximum(ctx - window, 0) + split * split_tokens
     kv_end = tl.minimum(ctx, kv_start + split_tokens)
-    acc = tl.zeros((G_PAD, D_PAD), dtype=tl.float32)
+    acc = tl.zeros((G_PAD, DV_PAD), dtype=tl.float32)
     m_i = tl.full((G_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((G_PAD,), dtype=tl.float32)
     acc, m_i, l_i = _attend_kv_range(
         acc, m_i, l_i, q, offs_g, k_cache_ptr, v_cache_ptr, bt_ptr + b.to(tl.int64) * stride_bt,
-        kv_head, kv_start, kv_end, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-        stride_vh, qk_scale, BS, False, BLOCK_N, HEAD_DIM, D_PAD, DOT_PRECISION)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        kv_head, kv_start, kv_end, window, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+        stride_vh, qk_scale, BS, False, BLOCK_N, HEAD_DIM, D_PAD, HEAD_DIM_V, DV_PAD,
+        DOT_PRECISION)
     if SPLIT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         part = (b * Hq + heads).to(tl.int64) * num_splits + split                  # [G_PAD]
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(part_lse_ptr + part, lse, mask=mask_g)
-        tl.store(part_o_ptr + part[:, None] * D_PAD + offs_d[None, :], out, mask=mask_g[:, None])
+        tl.store(part_o_ptr + part[:, None] * DV_PAD + offs_dv[None, :], out, mask=mask_g[:, None])
     else:
+        out = _finish(acc, m_i, l_i, sinks_ptr, heads, mask_g, HAS_SINKS)
         tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-                 + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask_g[:, None] & (offs_d < HEAD_DIM)[None, :])
+                 + offs_dv[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask_g[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _paged_decode_reduce_kernel(part_o_ptr, part_lse_ptr, cu_q_ptr, out_ptr, num_splits,
-                                stride_ot, stride_oh, Hq: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                D_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
-    # Grid (B, Hq): merge the splits' outputs weighted by exp2(lse_s - max lse).
+def _paged_decode_reduce_kernel(part_o_ptr, part_lse_ptr, cu_q_ptr, out_ptr, sinks_ptr,
+                                num_splits, stride_ot, stride_oh, Hq: tl.constexpr,
+                                HEAD_DIM_V: tl.constexpr, DV_PAD: tl.constexpr,
+                                BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
+    # Grid (B, Hq): merge the splits' outputs weighted by exp2(lse_s - max lse); the sink
+    # (sink * log2 e, in the same log2 domain) joins the max and the denominator only.
     b = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(cu_q_ptr + b)
     if tl.load(cu_q_ptr + b + 1) == q_row:
         return
     base = (b * Hq + head).to(tl.int64) * num_splits
-    offs_d = tl.arange(0, D_PAD)
+    offs_d = tl.arange(0, DV_PAD)
     m_vec = tl.full((BLOCK_S,), float("-inf"), dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
         m_vec = tl.maximum(m_vec, lse)
     m = tl.max(m_vec, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros((D_PAD,), dtype=tl.float32)
+    acc = tl.zeros((DV_PAD,), dtype=tl.float32)
     den = tl.zeros((BLOCK_S,), dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
         w = tl.exp2(lse - m)                       # empty splits (lse = -inf) weigh 0
-        o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D_PAD + offs_d[None, :],
+        o = tl.load(part_o_ptr + (base + offs_s)[:, None] * DV_PAD + offs_d[None, :],
                     mask=(lse > float("-inf"))[:, None], other=0.0)
         acc += tl.sum(w[:, None] * o, axis=0)
         den += w
     total = tl.sum(den, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
     out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM_V)
 
 
 @functools.lru_cache(maxsize=8)
@@ -259,7 +355,8 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int,
                       num_sms: int = _DEFAULT_NUM_SMS) -> tuple[int, int]:
-    """(num_splits, tokens per split) for decode over contexts up to max_context tokens.
+    """(num_splits, tokens per split) for decode over spans of up to max_context keys (the
+    window, for a sliding-window layer).
 
     Enough splits for about two waves of (seq, kv head, split) programs, but no split shorter
     than _MIN_TILES_PER_SPLIT tiles: short contexts stay in one program and skip the reduce.
@@ -272,7 +369,8 @@ def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context: int, block_
 
 
 def _attention_config(head_dim_pad: int, decode: bool) -> dict:
-    """Tile sizes: BLOCK_N keys a step; prefill rows BLOCK_M = query tokens x group heads."""
+    """Tile sizes: BLOCK_N keys a step; prefill rows BLOCK_M = query tokens x group heads.
+    head_dim_pad is the wider of the padded K and V head dims."""
     if interpreting():            # small tiles: cheap to interpret, and many loop trips
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if decode:
@@ -283,72 +381,88 @@ def _attention_config(head_dim_pad: int, decode: bool) -> dict:
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                           scale: float, max_seqlen_q: int | None = None):
+                           scale: float, max_seqlen_q: int | None = None, *,
+                           sliding_window: int | None = None,
+                           sinks: torch.Tensor | None = None):
     """Decode path (split-KV + reduce) when max_seqlen_q == 1, else the prefill path.
 
     max_seqlen_q is the host's hint of the longest query span; without it the launcher reads
     it off cu_seqlens_q (a device sync). It sizes the prefill grid, so it must not be short.
     """
-    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                          sliding_window, sinks)
     t, hq, d = q.shape
+    dv = v_cache.shape[3]
     bs, hk = k_cache.shape[1], k_cache.shape[2]
     b = seq_lens.shape[0]
-    out = torch.empty_like(q)
+    out = q.new_empty(t, hq, dv)
     if t == 0 or b == 0:
         return out
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     g = hq // hk
     d_pad = max(16, triton.next_power_of_2(d))
+    dv_pad = max(16, triton.next_power_of_2(dv))
     # fp32 (tests) gets exact products; fp16/bf16 take the backend's default.
     precision = "ieee" if q.dtype == torch.float32 else None
-    qk_scale = scale * math.log2(math.e)
+    qk_scale = scale * _LOG2E
+    window = _NO_WINDOW if sliding_window is None else int(sliding_window)
+    has_sinks = sinks is not None
+    sinks_arg = sinks if has_sinks else q          # never read without HAS_SINKS
+    dims = dict(HEAD_DIM=d, D_PAD=d_pad, HEAD_DIM_V=dv, DV_PAD=dv_pad, HAS_SINKS=has_sinks)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bs)
     if max_seqlen_q == 1:
-        cfg = _attention_config(d_pad, decode=True)
+        cfg = _attention_config(max(d_pad, dv_pad), decode=True)
         block_n = cfg.pop("BLOCK_N")
         cfg.pop("BLOCK_M", None)
-        splits, split_tokens = decode_split_plan(b, hk, block_tables.shape[1] * bs, block_n,
-                                                 _num_sms(q.device))
+        # Split the span a query sees (host-side bound, no sync): the table's capacity, or
+        # the window when that is shorter.
+        span = min(block_tables.shape[1] * bs, window)
+        splits, split_tokens = decode_split_plan(b, hk, span, block_n, _num_sms(q.device))
         if splits > 1:
-            part_o = torch.empty(b, hq, splits, d_pad, dtype=torch.float32, device=q.device)
+            part_o = torch.empty(b, hq, splits, dv_pad, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
         else:
             part_o = part_lse = out          # unused: SPLIT=False writes out directly
         _paged_decode_kernel[(b, hk, splits)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, part_o, part_lse,
-            qk_scale, splits, split_tokens, *strides,
-            Hq=hq, G=g, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, HEAD_DIM=d,
-            D_PAD=d_pad, SPLIT=splits > 1, DOT_PRECISION=precision, **cfg)
+            sinks_arg, qk_scale, window, splits, split_tokens, *strides,
+            Hq=hq, G=g, G_PAD=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
+            SPLIT=splits > 1, DOT_PRECISION=precision, **dims, **cfg)
         if splits > 1:
             _paged_decode_reduce_kernel[(b, hq)](
-                part_o, part_lse, cu_seqlens_q, out, splits, out.stride(0), out.stride(1),
-                Hq=hq, HEAD_DIM=d, D_PAD=d_pad, BLOCK_S=16, num_warps=4)
+                part_o, part_lse, cu_seqlens_q, out, sinks_arg, splits, out.stride(0),
+                out.stride(1), Hq=hq, HEAD_DIM_V=dv, DV_PAD=dv_pad, BLOCK_S=16,
+                HAS_SINKS=has_sinks, num_warps=4)
         return out
-    cfg = _attention_config(d_pad, decode=False)
+    cfg = _attention_config(max(d_pad, dv_pad), decode=False)
     g_pad = triton.next_power_of_2(g)
     block_q = max(1, cfg.pop("BLOCK_M") // g_pad)
     _paged_prefill_kernel[(triton.cdiv(max_seqlen_q, block_q), b, hk)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, qk_scale, *strides,
-        G=g, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=d, D_PAD=d_pad, DOT_PRECISION=precision,
-        **cfg)
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, sinks_arg, qk_scale,
+        window, *strides, G=g, G_PAD=g_pad, BLOCK_Q=block_q, DOT_PRECISION=precision,
+        **dims, **cfg)
     return out
 
 
-def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens):
+def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                          sliding_window=None, sinks=None):
     if q.dim() != 3:
-        raise ValueError(f"paged_attention: q must be [T, Hq, D], got {tuple(q.shape)}")
+        raise ValueError(f"paged_attention: q must be [T, Hq, Dk], got {tuple(q.shape)}")
     t, hq, d = q.shape
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != d:
-        raise ValueError(f"paged_attention: caches must be [NB, BS, Hk, {d}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[3] != d
+            or v_cache.shape[:3] != k_cache.shape[:3]):
+        raise ValueError(f"paged_attention: caches must be [NB, BS, Hk, {d}] and [NB, BS, Hk, "
+                         f"Dv], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     hk = k_cache.shape[2]
     if hq % hk:
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hk} kv heads")
-    if d > 256:
-        raise ValueError(f"paged_attention: head dim {d} > 256 is not supported")
+    if d > 256 or v_cache.shape[3] > 256:
+        raise ValueError(f"paged_attention: head dims {d}/{v_cache.shape[3]} > 256 are not "
+                         f"supported")
+    _check_window_and_sinks(hq, sliding_window, sinks)
     b = seq_lens.shape[0]
     if (block_tables.dim() != 2 or block_tables.shape[0] != b or cu_seqlens_q.shape != (b + 1,)
             or seq_lens.dim() != 1):
@@ -367,10 +481,20 @@ def _check_attention_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_l
         raise ValueError("paged_attention: q and the caches need a contiguous last dimension")
 
 
+def _check_window_and_sinks(hq: int, sliding_window, sinks):
+    if sliding_window is not None and (not isinstance(sliding_window, int)
+                                       or not 1 <= sliding_window < _NO_WINDOW):
+        raise ValueError(f"paged_attention: sliding_window must be a positive int or None, got "
+                         f"{sliding_window!r}")
+    if sinks is not None and (sinks.shape != (hq,) or not sinks.is_floating_point()
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"paged_attention: sinks must be a contiguous float [{hq}] tensor, got "
+                         f"{tuple(sinks.shape)} {sinks.dtype}")
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float,
-                    max_seqlen_q: int | None = None):
-    if use_triton(q):
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                      seq_lens, scale, max_seqlen_q)
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                     seq_lens, scale)
+                    max_seqlen_q: int | None = None, *, sliding_window: int | None = None,
+                    sinks: torch.Tensor | None = None):
+    op = paged_attention_triton if use_triton(q) else paged_attention_reference
+    return op(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q,
+              sliding_window=sliding_window, sinks=sinks)
