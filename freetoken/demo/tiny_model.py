@@ -3,10 +3,10 @@
 `ft serve` builds its demo model with this, tools/make_tiny_model.py is its CLI, and the tests
 use it for checkpoints that transformers (the test oracle) loads as it loads real ones. So the
 files copy the hub's: config.json with the family's field names, generation_config.json,
-per-expert safetensors keys (the hub's, not transformers v5's fused 3D experts), optionally
-sharded with an index, and the tokenizer of tiny_tokenizer.py. No transformers import here.
-The qwen and mixtral families are written here; the newer ones' fields and tensors are in
-tiny_families.py.
+per-expert safetensors keys (the hub's, not transformers v5's fused 3D experts; gpt-oss's hub
+checkpoints fuse them, and so does its tiny one), optionally sharded with an index, and the
+tokenizer of tiny_tokenizer.py. No transformers import here. The qwen and mixtral families are
+written here; the newer ones' fields and tensors are in tiny_families.py.
 
 Weights are drawn so that greedy decoding is robust when two implementations are compared:
 fan-in scaled linears (logits of order 1, well apart) and routers 4x wider still, so top-k
@@ -53,7 +53,7 @@ class TinyShape:
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1            # also ernie4_5_moe's moe_layer_interval
     max_position_embeddings: int = 32768
-    rms_norm_eps: float | None = None       # None: 1e-6 (qwen), 1e-5 (mixtral)
+    rms_norm_eps: float | None = None       # None: the family's (qwen, minimax_m2 1e-6; others 1e-5)
     rope_theta: float = 1_000_000.0
     dtype: str = "float32"
     max_shard_mb: float | None = None       # shard the safetensors at this size (MB = 1e6 bytes)
