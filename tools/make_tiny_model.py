@@ -3,6 +3,9 @@
 
     python tools/make_tiny_model.py --family qwen3_moe --out /tmp/tiny
     python tools/make_tiny_model.py --family mixtral --out /tmp/tiny-mx --max-shard-mb 1
+    python tools/make_tiny_model.py --family glm4_moe --out /tmp/tiny-glm --no-mtp
+
+Families: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe, minimax_m2, olmoe, ernie4_5_moe.
 
 The work is freetoken.demo.tiny_model.make_tiny_model (which `ft serve` uses for its demo
 model); this only parses flags. The same flags always give byte-identical files.
@@ -14,11 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
-try:
-    from freetoken.demo.tiny_model import FAMILIES, TinyShape, make_tiny_model
-except ImportError:   # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from freetoken.demo.tiny_model import FAMILIES, TinyShape, make_tiny_model
+# This checkout's freetoken, even where another one is installed (a git worktree, say).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from freetoken.demo.tiny_model import FAMILIES, TinyShape, make_tiny_model  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model vocab, at least the tokenizer's size")
     p.add_argument("--norm-topk-prob", action=argparse.BooleanOptionalAction, default=None,
                    help="renormalise the top-k router weights (default: the family's usual)")
-    p.add_argument("--tie-word-embeddings", action="store_true")
+    p.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: the family's usual (ernie4_5_moe tied, the others not)")
     p.add_argument("--mlp-only-layers", default="", help="comma list of dense layer indices")
     p.add_argument("--decoder-sparse-step", type=int, default=d.decoder_sparse_step)
     p.add_argument("--max-position-embeddings", type=int, default=d.max_position_embeddings)
@@ -56,6 +58,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d.dtype)
     p.add_argument("--max-shard-mb", type=float, default=None,
                    help="shard the weights into files of at most this many MB (1e6 bytes)")
+    p.add_argument("--sliding-window", type=int, default=d.sliding_window, help="gpt_oss' even layers")
+    p.add_argument("--first-k-dense-replace", type=int, default=d.first_k_dense_replace,
+                   help="leading dense layers (glm4_moe; ernie4_5_moe's moe_layer_start_index)")
+    p.add_argument("--n-group", type=int, default=d.n_group, help="glm4_moe expert groups")
+    p.add_argument("--topk-group", type=int, default=d.topk_group, help="glm4_moe groups a token may use")
+    p.add_argument("--n-shared-experts", type=int, default=None,
+                   help="glm4_moe (default 1), ernie4_5_moe (default 2)")
+    p.add_argument("--routed-scaling-factor", type=float, default=d.routed_scaling_factor, help="glm4_moe")
+    p.add_argument("--partial-rotary-factor", type=float, default=d.partial_rotary_factor,
+                   help="rotated share of head_dim (glm4_moe, minimax_m2)")
+    p.add_argument("--attention-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="glm4_moe q/k/v biases (default on)")
+    p.add_argument("--use-qk-norm", action=argparse.BooleanOptionalAction, default=d.use_qk_norm,
+                   help="glm4_moe per-head q/k norms")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                   help="glm4_moe: write the MTP layer model.layers.{num_layers}.* (default on)")
     return p.parse_args(argv)
 
 

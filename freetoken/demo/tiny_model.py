@@ -3,8 +3,10 @@
 `ft serve` builds its demo model with this, tools/make_tiny_model.py is its CLI, and the tests
 use it for checkpoints that transformers (the test oracle) loads as it loads real ones. So the
 files copy the hub's: config.json with the family's field names, generation_config.json,
-per-expert safetensors keys (the hub's, not transformers v5's fused 3D experts), optionally
-sharded with an index, and the tokenizer of tiny_tokenizer.py. No transformers import here.
+per-expert safetensors keys (the hub's, not transformers v5's fused 3D experts; gpt-oss's hub
+checkpoints fuse them, and so does its tiny one), optionally sharded with an index, and the
+tokenizer of tiny_tokenizer.py. No transformers import here. The qwen and mixtral families are
+written here; the newer ones' fields and tensors are in tiny_families.py.
 
 Weights are drawn so that greedy decoding is robust when two implementations are compared:
 fan-in scaled linears (logits of order 1, well apart) and routers 4x wider still, so top-k
@@ -22,10 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from freetoken.demo import tiny_families
 from freetoken.demo.tiny_tokenizer import (CHAT_TEMPLATES, EOS_TOKEN, PAD_TOKEN, build_tokenizer,
                                            write_tokenizer)
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", *tiny_families.FAMILIES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROUTER_STD_SCALE = 4.0
 
@@ -40,19 +43,32 @@ class TinyShape:
     head_dim: int | None = None             # None: hidden_size // num_heads (32 by default)
     num_experts: int = 8
     top_k: int = 2
-    moe_intermediate_size: int = 64         # one expert's width (mixtral's intermediate_size)
-    intermediate_size: int = 256            # dense MLP width (qwen layers without experts)
+    moe_intermediate_size: int = 64         # one expert's width (mixtral's, gpt_oss', minimax_m2's
+                                            # and olmoe's intermediate_size)
+    intermediate_size: int = 256            # dense MLP width (qwen, glm4_moe, ernie dense layers)
     shared_expert_intermediate_size: int = 128   # qwen2_moe only
     vocab_size: int = 2048                  # model vocab; >= the tokenizer's 1909 tokens
-    norm_topk_prob: bool | None = None      # None: the family's usual (qwen3 True, qwen2 False)
-    tie_word_embeddings: bool = False
+    norm_topk_prob: bool | None = None      # None: the family's usual (qwen3/glm4 True, qwen2/olmoe False)
+    tie_word_embeddings: bool | None = None     # None: the family's usual (ernie4_5_moe tied)
     mlp_only_layers: tuple[int, ...] = ()
-    decoder_sparse_step: int = 1
+    decoder_sparse_step: int = 1            # also ernie4_5_moe's moe_layer_interval
     max_position_embeddings: int = 32768
-    rms_norm_eps: float | None = None       # None: 1e-6 (qwen), 1e-5 (mixtral)
+    rms_norm_eps: float | None = None       # None: the family's (qwen, minimax_m2 1e-6; others 1e-5)
     rope_theta: float = 1_000_000.0
     dtype: str = "float32"
     max_shard_mb: float | None = None       # shard the safetensors at this size (MB = 1e6 bytes)
+    # The newer families' knobs (tiny_families.py)
+    sliding_window: int = 16                # gpt_oss: the even layers' window
+    first_k_dense_replace: int = 1          # glm4_moe; ernie4_5_moe's moe_layer_start_index
+    n_group: int = 2                        # glm4_moe: expert groups ...
+    topk_group: int = 1                     # ... of which each token's top-k may use this many
+    n_shared_experts: int | None = None     # glm4_moe (default 1), ernie4_5_moe (default 2)
+    routed_scaling_factor: float = 2.5      # glm4_moe (GLM-4.5's)
+    partial_rotary_factor: float = 0.5      # glm4_moe; minimax_m2's rotary_dim = head_dim * this
+    attention_bias: bool | None = None      # glm4_moe q/k/v biases (default True, as GLM-4.5)
+    use_qk_norm: bool = True                # glm4_moe per-head q/k norms (GLM-4.5 yes, Air no)
+    mtp: bool | None = None                 # glm4_moe: the MTP layer model.layers.{num_layers}.*
+                                            # (default on, as the hub's checkpoints)
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -60,6 +76,21 @@ class TinyShape:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+    def resolved_tie(self, family: str) -> bool:
+        if self.tie_word_embeddings is not None:
+            return self.tie_word_embeddings
+        return family in tiny_families.TIED_BY_DEFAULT
+
+    def resolved_n_shared(self, family: str) -> int:
+        return self.n_shared_experts if self.n_shared_experts is not None else (
+            2 if family == "ernie4_5_moe" else 1)
+
+    def resolved_attention_bias(self) -> bool:
+        return self.attention_bias is not False
+
+    def resolved_mtp(self, family: str) -> bool:
+        return self.mtp if self.mtp is not None else family == "glm4_moe"
 
     def is_moe_layer(self, i: int) -> bool:
         # The rule of HF's qwen2_moe/qwen3_moe; mixtral never sets these, so every layer is MoE.
@@ -88,7 +119,8 @@ def make_tiny_model(out_dir, family: str = "qwen3_moe", seed: int = 0, chat_temp
     _write_json(out / "config.json", config_json(family, s, eos_id=eos, bos_id=pad))
     _write_json(out / "generation_config.json",
                 {"bos_token_id": pad, "eos_token_id": [eos, pad], "pad_token_id": pad})
-    tensors = init_weights(param_shapes(family, s), seed, DTYPES[s.dtype])
+    tensors = init_weights(param_shapes(family, s), seed, DTYPES[s.dtype],
+                           float32_suffixes=tiny_families.FLOAT32_SUFFIXES.get(family, ()))
     write_safetensors(out, tensors, s.max_shard_mb)
     return out
 
@@ -106,6 +138,10 @@ def _validate(family: str, s: TinyShape) -> None:
         raise ValueError("top_k must be in 1..num_experts")
     if s.decoder_sparse_step < 1 or any(not 0 <= i < s.num_layers for i in s.mlp_only_layers):
         raise ValueError("decoder_sparse_step must be >= 1 and mlp_only_layers in 0..num_layers-1")
+    if family in tiny_families.FAMILIES:
+        tiny_families.validate(family, s)
+    elif s.mtp:
+        raise ValueError("only glm4_moe writes an MTP layer")
     if family == "mixtral" and (s.mlp_only_layers or s.decoder_sparse_step != 1
                                 or s.norm_topk_prob is False):
         raise ValueError("mixtral has every layer MoE and always renormalises its top-k weights")
@@ -123,13 +159,15 @@ def config_json(family: str, s: TinyShape, *, eos_id: int, bos_id: int) -> dict:
         "num_hidden_layers": s.num_layers, "num_key_value_heads": s.num_kv_heads,
         "output_router_logits": False,
         "rms_norm_eps": s.rms_norm_eps if s.rms_norm_eps is not None else
-        (1e-5 if family == "mixtral" else 1e-6),
+        {"mixtral": 1e-5, **tiny_families.RMS_NORM_EPS}.get(family, 1e-6),
         # Hub checkpoints (transformers v4) spell rope_theta; v5 writes rope_parameters.
         "rope_theta": s.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": s.rope_theta},
-        "tie_word_embeddings": s.tie_word_embeddings, "torch_dtype": s.dtype, "use_cache": True,
+        "tie_word_embeddings": s.resolved_tie(family), "torch_dtype": s.dtype, "use_cache": True,
         "vocab_size": s.vocab_size,
     }
+    if family in tiny_families.FAMILIES:
+        return tiny_families.config_json(family, s, common)
     if family == "mixtral":
         cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
                "intermediate_size": s.moe_intermediate_size, "num_local_experts": s.num_experts,
@@ -160,6 +198,13 @@ def param_shapes(family: str, s: TinyShape) -> list[tuple[str, tuple[int, ...]]]
     D, Hd, V = s.hidden_size, s.resolved_head_dim, s.vocab_size
     q, kv = s.num_heads * Hd, s.num_kv_heads * Hd
     out = [("model.embed_tokens.weight", (V, D))]
+    if family in tiny_families.FAMILIES:
+        for i in range(s.num_layers):
+            out += tiny_families.layer_shapes(family, s, i)
+        out.append(("model.norm.weight", (D,)))
+        if not s.resolved_tie(family):
+            out.append(("lm_head.weight", (V, D)))
+        return out + tiny_families.extra_shapes(family, s)
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
         out += [(p + "self_attn.q_proj.weight", (q, D)), (p + "self_attn.k_proj.weight", (kv, D)),
@@ -172,7 +217,7 @@ def param_shapes(family: str, s: TinyShape) -> list[tuple[str, tuple[int, ...]]]
         out += _mlp_shapes(family, s, i)
         out += [(p + "input_layernorm.weight", (D,)), (p + "post_attention_layernorm.weight", (D,))]
     out.append(("model.norm.weight", (D,)))
-    if not s.tie_word_embeddings:
+    if not s.resolved_tie(family):
         out.append(("lm_head.weight", (V, D)))
     return out
 
@@ -204,22 +249,30 @@ def _mlp_shapes(family: str, s: TinyShape, i: int) -> list[tuple[str, tuple[int,
     return out
 
 
-def init_weights(shapes: list[tuple[str, tuple[int, ...]]], seed: int, dtype: torch.dtype) -> dict:
-    """Draw every tensor from one seeded generator, in float32, then cast to dtype."""
+def init_weights(shapes: list[tuple[str, tuple[int, ...]]], seed: int, dtype: torch.dtype,
+                 float32_suffixes: tuple[str, ...] = ()) -> dict:
+    """Draw every tensor from one seeded generator, in float32, then cast to dtype, except the
+    names ending in float32_suffixes (router tensors some hubs keep in float32).
+
+    Biases (linear, router, correction: every name ending in "bias") 0.1 N(0, 1); embeddings and
+    attention sinks N(0, 1); weights fan-in scaled, where gpt-oss' fused experts, stored as
+    x @ W ([E, in, out]), have their fan-in on dim -2."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in shapes:
         x = torch.randn(shape, generator=g, dtype=torch.float32)
         if "norm" in name:
             x = 1 + 0.1 * x
-        elif name.endswith(".bias"):
+        elif name.endswith("bias"):
             x = 0.1 * x
-        elif name == "model.embed_tokens.weight":
+        elif name.endswith(("embed_tokens.weight", ".sinks")):
             pass
         else:
-            is_router = name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight")
-            x = x * ((ROUTER_STD_SCALE if is_router else 1.0) / math.sqrt(shape[-1]))
-        tensors[name] = x.to(dtype).contiguous()
+            is_router = name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight",
+                                       ".mlp.router.weight"))
+            fan_in = shape[-2] if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else shape[-1]
+            x = x * ((ROUTER_STD_SCALE if is_router else 1.0) / math.sqrt(fan_in))
+        tensors[name] = x.to(torch.float32 if name.endswith(float32_suffixes) else dtype).contiguous()
     return tensors
 
 
