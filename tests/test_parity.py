@@ -82,3 +82,23 @@ def test_half_precision_checkpoints(ckpt_root, dtype):
     assert rel_err(upcast.logits(PROMPT), ref) < 1e-4
     # Computing in half precision stays close to float32 (loose: bf16 has 8 mantissa bits).
     assert rel_err(native.logits(PROMPT), ref) < 0.1
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "glm4_moe", "minimax_m2", "olmoe", "ernie4_5_moe"])
+def test_hub_layout_checkpoints_match_transformers(tmp_path_factory, family):
+    """tools/make_tiny_model.py's hub layout (gpt-oss's fused interleaved experts, GLM's MTP
+    layer, MiniMax's and ERNIE's selection biases where the hub puts them) loads into both."""
+    from freetoken.demo.tiny_model import make_tiny_model
+    path = make_tiny_model(tmp_path_factory.mktemp(family), family=family, seed=3)
+    llm = LLM(str(path), skip_tokenizer_init=True)
+    hf = hf_model(path)
+    prompt = [(37 * i + 11) % 1900 for i in range(21)]      # past gpt_oss's 16-token window
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    err = rel_err(llm.logits(prompt), ref)
+    print(f"{family} (hub layout): max relative logit error {err:.2e}")
+    assert err < 1e-4
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                       do_sample=False)[0, len(prompt):].tolist()
+    got = llm.generate([prompt], SamplingParams(max_tokens=8, min_tokens=8, temperature=0))[0]
+    assert got.token_ids == want

@@ -1,5 +1,5 @@
-"""ERNIE-4.5 MoE (Ernie4_5_MoeForCausalLM): attention with optional biases (`use_bias`) and
-interleaved RoPE; layers moe_layer_start_index..moe_layer_end_index (every
+"""ERNIE-4.5 MoE (Ernie4_5_MoeForCausalLM): `use_bias` gives attention, the dense and shared
+MLPs and lm_head biases (not the routed experts); interleaved RoPE; layers moe_layer_start_index..moe_layer_end_index (every
 moe_layer_interval-th) sparse, the rest dense; a float32 softmax router whose selection bias
 (`moe_statics.e_score_correction_bias` [1, E]) picks the experts, weights renormalised and
 cast to the model dtype (HF floors the sum at moe_norm_min, 1e-12; the routing kernel adds
@@ -54,7 +54,7 @@ def make_layer(cfg: Ernie45MoeConfig, i: int, rope) -> DecoderLayer:
         cfg.rms_norm_eps, qkv_bias=cfg.use_bias, o_bias=cfg.use_bias, rope_interleaved=True),
         i, rope)
     if not cfg.is_moe_layer(i):
-        return DecoderLayer(attn, DenseMLP(cfg.hidden_size, cfg.intermediate_size),
+        return DecoderLayer(attn, DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.use_bias),
                             cfg.hidden_size, cfg.rms_norm_eps)
     gate = Router(cfg.hidden_size, RouterConfig(
         cfg.num_experts, cfg.num_experts_per_tok, scoring="softmax", selection_bias=True,
@@ -62,7 +62,7 @@ def make_layer(cfg: Ernie45MoeConfig, i: int, rope) -> DecoderLayer:
     experts = ExpertBank(cfg.num_experts, ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size,
                                                        gate.weight.dtype))
     width = cfg.moe_intermediate_size * cfg.moe_num_shared_experts
-    shared = DenseMLP(cfg.hidden_size, width) if width else None
+    shared = DenseMLP(cfg.hidden_size, width, cfg.use_bias) if width else None
     return DecoderLayer(attn, SparseMoeBlock(gate, experts, shared), cfg.hidden_size,
                         cfg.rms_norm_eps)
 
@@ -73,7 +73,7 @@ KEY_MAP = KeyMap(renames=((r"\.mlp\.moe_statics\.e_score_correction_bias$",
 
 class Ernie45MoeForCausalLM(MoeForCausalLM):
     def __init__(self, cfg: Ernie45MoeConfig):
-        super().__init__(cfg, make_layer)
+        super().__init__(cfg, make_layer, lm_head_bias=cfg.use_bias)
 
 
 MODEL_CLASS = Ernie45MoeForCausalLM

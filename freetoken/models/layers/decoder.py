@@ -67,13 +67,13 @@ class MoeModel(nn.Module):
 class MoeForCausalLM(nn.Module):
     """The top-level module every family builds: `model` + `lm_head` (tied or not)."""
 
-    def __init__(self, cfg: ModelConfig, make_layer):
+    def __init__(self, cfg: ModelConfig, make_layer, lm_head_bias: bool = False):
         super().__init__()
         self.config = cfg
         # One table for every layer: the families here share one rope per model.
         self.rope = RopeTable(cfg.rope, cfg.head_dim)
         self.model = MoeModel(cfg, make_layer, self.rope)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -5,11 +5,11 @@ from torch import nn
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden: int, width: int):
+    def __init__(self, hidden: int, width: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.up_proj = nn.Linear(hidden, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, width, bias=bias)
+        self.up_proj = nn.Linear(hidden, width, bias=bias)
+        self.down_proj = nn.Linear(width, hidden, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
