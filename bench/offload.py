@@ -166,6 +166,8 @@ def transformers_arms(model_dir, args) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", choices=list(SHAPES), default="qwen3-30b-a3b-8l")
+    p.add_argument("--family", default="qwen3_moe",
+                   help="the tiny checkpoint's family (tools/make_tiny_model.py --family)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cache-rate", type=float, default=0.25)
@@ -184,12 +186,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         model_dir = Path(tmp) / "model"
         t0 = time.perf_counter()
-        make_tiny_model(model_dir, family="qwen3_moe", seed=0, dtype=args.dtype, **SHAPES[args.scale])
+        make_tiny_model(model_dir, family=args.family, seed=0, dtype=args.dtype, **SHAPES[args.scale])
         report["model_build_s"] = time.perf_counter() - t0
-        shape = SHAPES[args.scale]
-        elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-        expert_bytes = 3 * shape["hidden_size"] * shape["moe_intermediate_size"] * elem
-        report["active_expert_bytes_per_token"] = expert_bytes * shape["top_k"] * shape["num_layers"]
+        # The family's own expert layout (gpt-oss adds biases), read off the meta-built model.
+        from freetoken.models.loader import init_model
+        blocks = init_model(model_dir, args.dtype)[0].moe_blocks()
+        expert_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
+        report["active_expert_bytes_per_token"] = expert_bytes * sum(b.top_k for b in blocks.values())
         for routing in ("uniform", "skewed"):
             if routing == "skewed":
                 skew_routers(model_dir)
