@@ -65,6 +65,24 @@ def test_corrupt_header(copy_of):
         LLM(str(d), skip_tokenizer_init=True)
 
 
+def test_header_that_lies_about_offsets(copy_of):
+    """A well-formed header whose offsets point past the data (or overlap) is refused at load,
+    naming the file: the tensors are read at startup, never lazily while serving."""
+    d = copy_of()
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    start, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [start, end + 10 ** 9]          # far past the file's end
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    f.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        LLM(str(d), skip_tokenizer_init=True)
+
+
 def test_sharded_checkpoint_and_absent_shard(tmp_path):
     d = tmp_path / "sharded"
     from hf_checkpoints import hf_classes, BASE, FAMILY_BASE, VARIANTS, redraw_weights

@@ -205,10 +205,12 @@ def small_forms(p: str):
         yield (f"rms_norm residual={residual}", rn._rms_norm_kernel,
                dict(x_ptr=p, res_ptr=p, w_ptr=p, out_ptr=p, res_out_ptr=p, stride_xt=D, stride_rt=D,
                     stride_ot=D, stride_rot=D, D=D, eps=1e-6, HAS_RESIDUAL=residual, BLOCK_D=D), 4, 3)
-    yield ("rope", rp._rope_kernel,
-           dict(q_ptr=p, k_ptr=p, pos_ptr="*i64", cos_sin_ptr="*fp32", stride_qt=HQ * HEAD,
-                stride_qh=HEAD, stride_kt=HK * HEAD, stride_kh=HEAD, stride_cs=HEAD, Hq=HQ, Hk=HK,
-                HALF=HEAD // 2, BLOCK_H=HQ, BLOCK_R=HEAD // 2), 4, 3)
+    for interleaved in (False, True):        # NeoX halves, or ERNIE's interleaved pairs
+        yield (f"rope interleaved={interleaved}", rp._rope_kernel,
+               dict(q_ptr=p, k_ptr=p, pos_ptr="*i64", cos_sin_ptr="*fp32", stride_qt=HQ * HEAD,
+                    stride_qh=HEAD, stride_kt=HK * HEAD, stride_kh=HEAD, stride_cs=HEAD, Hq=HQ,
+                    Hk=HK, HALF=HEAD // 2, BLOCK_H=HQ, BLOCK_R=HEAD // 2,
+                    INTERLEAVED=interleaved), 4, 3)
     yield ("silu_and_mul", sm._silu_and_mul_kernel,
            dict(x_ptr=p, out_ptr=p, stride_xt=2 * 6144, stride_ot=6144, I=6144, BLOCK=1024), 4, 3)
     yield ("topk_softmax", ts._topk_softmax_kernel,

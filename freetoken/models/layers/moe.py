@@ -25,14 +25,18 @@ class ExpertBank(nn.Module):
 
     def __init__(self, num_experts: int, layout: ExpertLayout):
         super().__init__()
-        self.num_experts, self.width, self._layout = num_experts, layout.width, layout
+        self.num_experts, self.width = num_experts, layout.width
+        self._layout = layout
         for part in layout.tensors:
             self.register_parameter(part.name, nn.Parameter(torch.empty(num_experts, *part.shape)))
         self.runtime = None
 
     @property
     def layout(self) -> ExpertLayout:
-        return self._layout.with_dtype(self.w13.dtype)     # the dtype the model was cast to
+        """The layout in the dtype the model was cast to (built with a placeholder dtype)."""
+        if self._layout.dtype != self.w13.dtype:
+            self._layout = self._layout.with_dtype(self.w13.dtype)
+        return self._layout
 
     def bank(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self._layout.names}
