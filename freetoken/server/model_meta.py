@@ -223,8 +223,12 @@ def resolve(model_type: str, template: str, reasoning_parser: str = "auto",
 def _auto_reasoner(family: Family | None, template: str, tool_format: str | None) -> Reasoner | None:
     own = REASONERS.get(family.reasoner) if family is not None and family.reasoner else None
     if own is not None and own.detect in template:
-        if own.name == "deepseek_r1" and re.search(r"\bthinking\b", template):
-            return REASONERS["deepseek_v3"]      # V3.1+: the template switches thinking
+        if own.name == "deepseek_r1":
+            # V3.1+: the template switches thinking (a `thinking` variable); R1 always thinks.
+            return REASONERS["deepseek_v3" if re.search(r"\bthinking\b", template) else "deepseek_r1"]
+        mapped = _THINK_BY_TOOLS.get(tool_format)
+        if own.detect == "</think>" and mapped and tool_format != family.tool_format:
+            return REASONERS[mapped]     # another family's template on this architecture
         return own
     for r in ("gpt_oss", "gemma4", "minimax_m3", "mistral"):
         if REASONERS[r].detect in template:

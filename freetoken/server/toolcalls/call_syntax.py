@@ -237,6 +237,8 @@ def _gvalue(s: str, i: int):
                 out.append(value)
             i = skip_ws(s, i)
     m = _SCALAR.match(s, i)
+    if m is not None and re.fullmatch(r"[\d.eE+\-a-z]*", s[m.end():]):
+        raise _Partial        # the text ends where the scalar may still go on
     if m is None:
         if re.fullmatch(r"-?[\d.eE+-]*|t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?", s[i:]):
             raise _Partial
