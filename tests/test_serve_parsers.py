@@ -268,3 +268,14 @@ def test_tokenize_errors_and_guard(served):
     assert status == 401
     status, body = served.request("POST", "/tokenize", {"model": "other", "prompt": "x"})
     assert status == 404
+
+
+def test_named_tool_choice_forces_a_call_in_the_family_format(served):
+    # No script: random weights, yet the call's start is put in the answer in the family's
+    # markup, so a well-formed call to the named tool always comes back.
+    client = openai.OpenAI(base_url=served.base + "/v1", api_key=KEY, max_retries=0)
+    r = client.chat.completions.create(model=served.model.name, messages=ask("anything"), tools=TOOLS,
+                                       max_tokens=12, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "search"}})
+    tc = r.choices[0].message.tool_calls[0]
+    assert tc.function.name == "search" and isinstance(json.loads(tc.function.arguments), dict)
