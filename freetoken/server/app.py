@@ -99,6 +99,8 @@ class ServingApp:
             template = self.tokenizer.get_chat_template()
         except ValueError:      # no template: the chat routes answer 400, completions still work
             template = ""
+        if isinstance(self.tokenizer.chat_template, dict):     # named templates: all of them say
+            template = "\n".join([template, *self.tokenizer.chat_template.values()])  # the formats
         self.meta = model_meta.resolve(model_type, template, self.server_config.reasoning_parser,
                                        set(self.tokenizer.all_special_tokens),
                                        self.server_config.tool_call_parser)

@@ -33,7 +33,21 @@ class Llama4PythonicToolParser(MarkupToolParser):
     at_start_only = True
     markers = ("<|python_start|>", "<|python_end|>")
 
+    _memo: tuple[str, Block] | None = None
+
     def parse_block(self, s: str, final: bool) -> Block:
+        # A call can only complete at a ")" or "]": until one arrives, the last parse stands
+        # (the paren scan is Python, and a long argument is reparsed on every token otherwise).
+        memo = self._memo
+        if memo is not None and not final and s.startswith(memo[0]) and \
+                not any(c in s[len(memo[0]):] for c in ")]"):
+            return memo[1]
+        self._in_call = False
+        blk = self._parse(s, final)
+        self._memo = (s, blk) if self._in_call else None
+        return blk
+
+    def _parse(self, s: str, final: bool) -> Block:
         i = len(self._opener)
         if self._opener != "[":
             i = skip_ws(s, i)
@@ -71,6 +85,7 @@ class Llama4PythonicToolParser(MarkupToolParser):
                 return Block(calls, bad_at=i)
             close = _matching_paren(s, j)
             if close < 0:
+                self._in_call = close == -1 and not final
                 return Block(calls, bad_at=i if final or close == -2 else None)
             params = _keywords(s[i:close + 1])
             if params is None:
