@@ -48,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
     s.add_argument("--reasoning-parser", default="auto", metavar="auto|off|NAME",
                    help="split the model's thinking from its answer: auto (the family's markers), "
-                        "off, or a family name (qwen3, glm, gemma4, minimax_m3, deepseek_r1)")
+                        "off, or a parser name (qwen3, deepseek_r1, deepseek_v3, glm45, gpt_oss, "
+                        "kimi_k2, minimax_m2, minimax_m3, mistral, gemma4)")
+    s.add_argument("--tool-call-parser", default="auto", metavar="auto|NAME",
+                   help="read tool calls in the model's markup: auto (from the model type and its "
+                        "chat template), or hermes, qwen3_coder, glm45, glm47, gpt_oss (openai), "
+                        "deepseek_v3, deepseek_v31, deepseek_v32, kimi_k2, minimax_m2, mistral, "
+                        "llama4_pythonic, gemma4")
     s.add_argument("--ping-interval", type=float, default=15.0, metavar="S",
                    help="streams send a keep-alive ping after S seconds without output")
     _add_moe_flags(s)
@@ -174,6 +180,7 @@ def serve(args) -> int:
                               model_path=model, api_key=args.api_key or env.api_key(),
                               max_body_bytes=int(args.max_body_mb * 2**20),
                               cpu_threads=args.cpu_threads, reasoning_parser=args.reasoning_parser,
+                              tool_call_parser=args.tool_call_parser,
                               ping_interval_s=args.ping_interval)
         engine = EngineConfig(model=model, device=_resolve_device(args), dtype=args.dtype,
                               max_model_len=args.max_seq_len_override,

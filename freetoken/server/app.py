@@ -1,8 +1,9 @@
 """ServingApp: the served model's state and the routes of `ft serve`.
 
 The HTTP server answers from the moment its socket is bound; the model loads in a worker
-thread meanwhile, with /health reporting the phase and bytes loaded. Every /v1 route passes
-one guard first: the API key (when one is set), then readiness (503 while loading).
+thread meanwhile, with /health reporting the phase and bytes loaded. Every /v1 route (and
+/tokenize, /detokenize) passes one guard first: the API key (when one is set), then readiness
+(503 while loading).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from freetoken.server.model_meta import ModelMeta
 from freetoken.server.openai.chat import chat_completions
 from freetoken.server.openai.completions import completions
 from freetoken.server.openai.responses import responses
+from freetoken.server.tokenize import detokenize, tokenize
 from freetoken.utils import env
 
 log = logging.getLogger("freetoken.server")
@@ -101,8 +103,13 @@ class ServingApp:
             template = self.tokenizer.get_chat_template()
         except ValueError:      # no template: the chat routes answer 400, completions still work
             template = ""
+        if isinstance(self.tokenizer.chat_template, dict):     # named templates: all of them say
+            template = "\n".join([template, *self.tokenizer.chat_template.values()])  # the formats
         self.meta = model_meta.resolve(model_type, template, self.server_config.reasoning_parser,
-                                       set(self.tokenizer.all_special_tokens))
+                                       set(self.tokenizer.all_special_tokens),
+                                       self.server_config.tool_call_parser)
+        log.info("parsers (%s): reasoning %s, tool calls %s", self.meta.chosen_by,
+                 self.meta.reasoning_parser or "off", self.meta.tool_format or "none")
         log.info("chat conventions: %s", self.meta.describe())
         path = env.debug_script()
         if path is not None:
@@ -179,7 +186,10 @@ class ServingApp:
         r.add("POST", "/v1/messages", lambda req, resp: messages(self, req, resp), dialect="anthropic")
         r.add("POST", "/v1/messages/count_tokens", lambda req, resp: count_tokens(self, req, resp),
               dialect="anthropic")
-        r.set_guard("/v1/", self.guard)
+        r.add("POST", "/tokenize", lambda req, resp: tokenize(self, req, resp))
+        r.add("POST", "/detokenize", lambda req, resp: detokenize(self, req, resp))
+        for prefix in ("/v1/", "/tokenize", "/detokenize"):
+            r.set_guard(prefix, self.guard)
         return r
 
     async def guard(self, request) -> None:
@@ -250,8 +260,8 @@ class ServingApp:
             "id": name, "object": "model", "created": int(self.started), "owned_by": "freetoken",
             "root": self.server_config.model_path, "max_model_len": self.max_model_len,
             "reasoning_efforts": self.meta.efforts,
-            "reasoning_parser": self.meta.family if self.meta.reasoning else None,
-            "tool_call_format": self.meta.tool_format}]})
+            "reasoning_parser": self.meta.reasoning_parser if self.meta.reasoning else None,
+            "tool_call_format": self.meta.tool_format, "tool_call_parser": self.meta.tool_format}]})
 
     async def stats(self, request, response) -> None:
         core = self.engine.core

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from freetoken.server.model_meta import PARSER_CHOICES
+from freetoken.server.toolcalls import TOOL_PARSER_CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,9 @@ class ServerConfig:
     # How model output is split into reasoning and answer: "auto" (the model family's
     # markers, when its chat template uses them), "off", or a family name (model_meta.py).
     reasoning_parser: str = "auto"
+    # How tool calls are read out of the answer: "auto" (from the model type and the markers
+    # its chat template writes) or a parser name (toolcalls.TOOL_PARSERS, vLLM's names).
+    tool_call_parser: str = "auto"
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -38,3 +42,6 @@ class ServerConfig:
         if self.reasoning_parser not in PARSER_CHOICES:
             raise ValueError(f"reasoning_parser must be one of {', '.join(PARSER_CHOICES)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser not in TOOL_PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
+                             f"got {self.tool_call_parser!r}")

@@ -41,6 +41,9 @@ class DebugScript:
 def follow_prompt(text: str, meta, prompt: str, prefix: str) -> str:
     """The part of a scripted answer the model still has to write after `prompt` (the
     template's render) and `prefix` (what the server put at the start of the answer)."""
+    if meta.harmony:     # the prefix is a message header: the script goes on after it
+        head = prefix.strip()
+        return text.split(head, 1)[1] if head and head in text else text
     if meta.reasoning:
         start, end = meta.think_start, meta.think_end
         body = text.lstrip()

@@ -22,7 +22,8 @@ from freetoken.scheduler.async_engine import EngineFailure
 from freetoken.server.debug_script import follow_prompt
 from freetoken.server.errors import HTTPError
 from freetoken.server.reasoning import ReasoningParser
-from freetoken.server.tools import Event, HermesToolParser
+from freetoken.server.toolcalls import HarmonyParser, make_tool_parser
+from freetoken.server.tools import Event
 
 
 @dataclasses.dataclass
@@ -55,8 +56,8 @@ def build_prompt(ctx, req: ChatRequest) -> Prompt:
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     kwargs = meta.template_kwargs(req.effort, req.template_kwargs)
     try:
-        text = tok.apply_chat_template(req.messages, tools=tools, add_generation_prompt=True,
-                                       tokenize=False, **kwargs)
+        text = tok.apply_chat_template(template_messages(req.messages), tools=tools,
+                                       add_generation_prompt=True, tokenize=False, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise HTTPError(400, f"cannot render the chat template: {e}", type="invalid_request_error",
                         param="messages") from None
@@ -65,8 +66,8 @@ def build_prompt(ctx, req: ChatRequest) -> Prompt:
     if req.effort == "none" and (meta.toggle is None or meta.toggle not in req.template_kwargs):
         prefix = meta.thinking_off_prefix(text)
     forced = _forced_call(req.tool_choice, meta, tools) if tools else ""
-    if forced and in_reasoning and not prefix:
-        prefix = "\n" + meta.think_end + "\n\n"     # a forced call skips the thinking
+    if forced and in_reasoning and not prefix:       # a forced call skips the thinking
+        prefix = "<|end|><|start|>assistant" if meta.harmony else "\n" + meta.think_end + "\n\n"
     prefix += forced
     if meta.markers_are_special:
         req.params.skip_special_tokens = False
@@ -74,36 +75,80 @@ def build_prompt(ctx, req: ChatRequest) -> Prompt:
 
 
 def _forced_call(tool_choice, meta, tools: list[dict]) -> str:
-    """The start of a tool call, so the model must make one (Hermes format only): the
-    header up to the arguments' "{" for a named tool (or the only one), else up to the name."""
-    if meta.tool_format != "hermes" or tool_choice in ("auto", "none"):
+    """The start of a tool call in the model's own format, so the model must make one: up to
+    the arguments for a named tool (or the only one), else up to the name."""
+    if meta.tool_format is None or tool_choice in ("auto", "none"):
         return ""
     if tool_choice == "required" and len(tools) == 1:
         tool_choice = {"name": tools[0]["function"]["name"]}
-    if tool_choice == "required":
-        return '<tool_call>\n{"name": "'
-    name = json.dumps(tool_choice["name"], ensure_ascii=False)
-    return '<tool_call>\n{"name": ' + name + ', "arguments": {'
+    name = None if tool_choice == "required" else tool_choice["name"]
+    return make_tool_parser(meta.tool_format, tools).forced_prefix(name)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates read them (as vLLM passes them): an assistant tool
+    call's arguments given as a JSON string become the object (templates iterate them or
+    apply tojson); arguments that do not parse stay as sent."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list) and any(_string_args(c) for c in calls):
+            m = {**m, "tool_calls": [_object_args(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _string_args(call) -> bool:
+    fn = call.get("function") if isinstance(call, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("arguments"), str)
+
+
+def _object_args(call):
+    if not _string_args(call):
+        return call
+    try:
+        args = json.loads(call["function"]["arguments"] or "{}")
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**call["function"], "arguments": args}}
 
 
 class OutputParser:
-    """Reasoning first; then, in the answer, tool calls (when tools are in play)."""
+    """Reasoning first; then, in the answer, tool calls (when tools are in play) in the
+    model's format. Harmony (gpt-oss) splits both at once, by channel."""
 
-    def __init__(self, meta, in_reasoning: bool = False, tool_names=None):
+    def __init__(self, meta, in_reasoning: bool = False, tool_names=None, prompt: str = ""):
+        """tool_names: the request's tools (Chat Completions dicts, or names); None: none."""
+        self.harmony = HarmonyParser(tool_names if meta.tool_format == "gpt_oss" else None,
+                                     reasoning=meta.reasoning_parser == "gpt_oss", prompt=prompt) \
+            if meta.harmony else None
         self.reasoning = ReasoningParser(meta.think_start, meta.think_end, in_reasoning) \
-            if meta.reasoning else None
-        self.tools = HermesToolParser(tool_names) \
-            if tool_names is not None and meta.tool_format == "hermes" else None
+            if meta.reasoning and not meta.harmony else None
+        self.tools = make_tool_parser(meta.tool_format, tool_names) \
+            if tool_names is not None and meta.tool_format and not meta.harmony else None
 
     @property
     def in_reasoning(self) -> bool:
+        if self.harmony is not None:
+            return self.harmony.in_reasoning
         return self.reasoning is not None and self.reasoning.in_reasoning
 
     def feed(self, text: str) -> list[Event]:
+        if self.harmony is not None:
+            return self._merge(self.harmony.feed(text))
         pieces = self.reasoning.feed(text) if self.reasoning else [("content", text)]
         return self._route(pieces)
 
+    def _merge(self, events) -> list[Event]:
+        out: list[Event] = []
+        _extend(out, events)
+        return out
+
     def finish(self) -> list[Event]:
+        if self.harmony is not None:
+            return self._merge(self.harmony.finish())
         events = self._route(self.reasoning.finish() if self.reasoning else [])
         if self.tools is not None:
             _extend(events, self.tools.finish())
@@ -227,7 +272,7 @@ class Generation:
         elif e.kind == "reasoning":
             self.reasoning += e.text
         elif e.kind == "tool_start":
-            e.id = f"call_{uuid.uuid4().hex[:24]}"
+            e.id = e.id or f"call_{uuid.uuid4().hex[:24]}"     # Kimi's ids are the model's own
             self.tool_calls.append(ToolCall(e.id, e.name))
         elif e.kind == "tool_args":
             self.tool_calls[e.index].arguments += e.text
@@ -244,8 +289,6 @@ def start_generation(ctx, req: ChatRequest) -> tuple[Generation, Prompt]:
             eos = ctx.tokenizer.eos_token_id
             forced = ctx.tokenizer.encode(text) + ([eos] if eos is not None else [])
     stream = ctx.submit(prompt.token_ids, req.params, forced)
-    tool_names = None
-    if req.tools and req.tool_choice != "none":
-        tool_names = [t["function"]["name"] for t in req.tools]
-    parser = OutputParser(ctx.meta, prompt.in_reasoning, tool_names)
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    parser = OutputParser(ctx.meta, prompt.in_reasoning, tools, prompt.text)
     return Generation(stream, parser, prompt.prefix), prompt
