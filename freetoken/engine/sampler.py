@@ -264,10 +264,13 @@ def _logprobs(raw: torch.Tensor, token_ids: list[int], rows: list[SampleRow]):
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], n: int) -> list:
     """Scoring: rows of logits [m, V] and the token each was followed by -> per row (logprob of
-    that token, [(id, logprob)] its top n), from the model's own distribution."""
+    that token, [(id, logprob)] its top n, its rank: 1 + how many tokens were likelier), from
+    the model's own distribution."""
     lp = logits.float().log_softmax(dim=-1)
-    picked = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist()
+    picked_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])       # [m, 1]
+    ranks = ((lp > picked_t).sum(dim=-1) + 1).tolist()
+    picked = picked_t.squeeze(1).tolist()
     if not n:
-        return [(v, []) for v in picked]
+        return [(v, [], r) for v, r in zip(picked, ranks)]
     vals, ids = lp.topk(n, dim=-1)
-    return [(v, list(zip(i, t))) for v, i, t in zip(picked, ids.tolist(), vals.tolist())]
+    return [(v, list(zip(i, t)), r) for v, i, t, r in zip(picked, ids.tolist(), vals.tolist(), ranks)]

@@ -117,7 +117,7 @@ def _response(body: dict, rid: str, model: str, created: float, status: str, out
         "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+        "text": {"format": _text_format(body)}, "truncation": "disabled", "store": False,
         "usage": None,
     }
     if status == "incomplete":
@@ -131,6 +131,12 @@ def _response(body: dict, rid: str, model: str, created: float, status: str, out
             "output_tokens_details": {"reasoning_tokens": gen.num_reasoning_tokens},
             "total_tokens": gen.num_prompt_tokens + gen.num_output_tokens}
     return out
+
+
+def _text_format(body: dict) -> dict:
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    fmt = text.get("format")
+    return fmt if isinstance(fmt, dict) and fmt.get("type") else {"type": "text"}
 
 
 async def responses(ctx, request, response) -> None:
