@@ -34,7 +34,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list | None = None
-    prompt_logprobs: list | None = None    # with SamplingParams.prompt_logprobs: None first, then (lp, top)
+    prompt_logprobs: list | None = None    # with SamplingParams.prompt_logprobs: None, then (lp, top, rank)
 
     @property
     def outputs(self):   # vLLM keeps the completion one level down; offer both spellings

@@ -117,7 +117,8 @@ def test_prompt_logprobs_match_the_forward(llm):
     assert len(lps) == len(ids) and lps[0] is None
     ref = llm.logits(ids).log_softmax(dim=-1)
     for p in range(1, len(ids)):
-        lp, top = lps[p]
+        lp, top, rank = lps[p]
+        assert rank == 1 + int((ref[p - 1] > ref[p - 1, ids[p]]).sum())
         assert abs(lp - float(ref[p - 1, ids[p]])) < 1e-4
         assert len(top) == 3 and top[0][0] == int(ref[p - 1].argmax())
     # Chunked prefill scores the same.
@@ -125,3 +126,34 @@ def test_prompt_logprobs_match_the_forward(llm):
     again = chunked.generate([ids], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
     assert [x if x is None else round(x[0], 4) for x in again.prompt_logprobs] == \
         [x if x is None else round(x[0], 4) for x in lps]
+
+
+def _run(llm, prompt_ids, params, forced):
+    req = llm.engine.add_request(prompt_ids, params, forced_token_ids=forced)
+    while llm.engine.has_work:
+        llm.engine.step()
+    return llm.tokenizer.decode(req.output_token_ids, skip_special_tokens=False), req
+
+
+def test_grammar_after_a_marker_and_after_a_think_block(llm):
+    from freetoken.server.structured import tool_call_grammar
+    tok = llm.tokenizer
+    tools = [{"type": "function", "function": {"name": "get", "strict": True, "parameters": {
+        "type": "object", "required": ["n"], "additionalProperties": False,
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}]
+    # Free text, then the model opens a call: from there the grammar writes a valid call.
+    spec = tool_call_grammar(tools, "auto", tok, forced=False)
+    forced = tok.encode("Sure <tool_call>")
+    text, req = _run(llm, tok.encode("Call it"), SamplingParams(max_tokens=60, temperature=1.0, seed=1,
+                                                                structured_outputs=spec), forced)
+    call = text.split("<tool_call>", 1)[1].split("</tool_call>")[0]
+    body = json.loads(call)
+    assert body["name"] == "get" and 0 <= body["arguments"]["n"] <= 9
+    assert req.grammar is None          # dropped when the request finished
+    # The first token opens a think block: the constraint starts after it closes.
+    spec = StructuredOutputs(json=SCHEMA, think_block=("<think>", "</think>"))
+    forced = tok.encode("<think>hmm</think>")
+    text, _ = _run(llm, tok.encode("Describe"), SamplingParams(max_tokens=200, temperature=0,
+                                                               structured_outputs=spec), forced)
+    assert text.startswith("<think>hmm</think>")
+    jsonschema.validate(json.loads(text.removeprefix("<think>hmm</think>")), SCHEMA)
