@@ -164,8 +164,11 @@ class ServingApp:
     # -- routes ---------------------------------------------------------------------------
     def _routes(self) -> Router:
         r = Router()
+        r.set_cors(self.server_config.allowed_origins)
+        r.add("GET", "/", self.root)
         r.add("GET", "/health", self.health)
         r.add("GET", "/v1/models", self.models)
+        r.add("GET", "/v1/models/{id:path}", self.model)
         r.add("GET", "/v1/stats", self.stats)
         r.add("GET", "/metrics", self.metrics)
         r.add("GET", "/v1/instrumentation", self.instrumentation)
@@ -238,14 +241,27 @@ class ServingApp:
             body["moe"] = moe_report()
         response.send_json(200, body)
 
+    def _model_card(self) -> dict:
+        return {"id": self.server_config.served_model_name, "object": "model", "created": int(self.started),
+                "owned_by": "freetoken", "root": self.server_config.model_path,
+                "max_model_len": self.max_model_len, "reasoning_efforts": self.meta.efforts,
+                "reasoning_parser": self.meta.family if self.meta.reasoning else None,
+                "tool_call_format": self.meta.tool_format}
+
     async def models(self, request, response) -> None:
-        name = self.server_config.served_model_name
-        response.send_json(200, {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(self.started), "owned_by": "freetoken",
-            "root": self.server_config.model_path, "max_model_len": self.max_model_len,
-            "reasoning_efforts": self.meta.efforts,
-            "reasoning_parser": self.meta.family if self.meta.reasoning else None,
-            "tool_call_format": self.meta.tool_format}]})
+        response.send_json(200, {"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request, response) -> None:
+        """GET /v1/models/{id}: the served model by its name (or its path), else 404."""
+        self.check_model({"model": request.path_rest})
+        response.send_json(200, self._model_card())
+
+    async def root(self, request, response) -> None:
+        """GET / (and HEAD /, as load balancers probe): who this is, and where to look."""
+        response.send_json(200, {"server": "freetoken", "version": freetoken.__version__,
+                                 "status": self.status, "model": self.server_config.served_model_name,
+                                 "endpoints": ["/health", "/v1/models", "/v1/chat/completions",
+                                               "/v1/completions", "/v1/responses", "/v1/messages"]})
 
     async def stats(self, request, response) -> None:
         core = self.engine.core

@@ -23,6 +23,7 @@ class ServerConfig:
     # How model output is split into reasoning and answer: "auto" (the model family's
     # markers, when its chat template uses them), "off", or a family name (model_meta.py).
     reasoning_parser: str = "auto"
+    allowed_origins: tuple[str, ...] = ()   # CORS (--allowed-origins); "*": any origin
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -31,7 +32,7 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be positive")
-        if self.shutdown_timeout_s < 0:
+        if not self.shutdown_timeout_s >= 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
         if not self.ping_interval_s > 0:
             raise ValueError("ping_interval_s must be positive")

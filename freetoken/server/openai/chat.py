@@ -67,6 +67,13 @@ def parse_effort(value, param: str) -> str | None:
     raise bad(param, f"'{param}' must be one of {', '.join(EFFORTS)}; got {value!r}")
 
 
+def check_effort(meta, effort: str | None, param: str) -> None:
+    """A reasoning model takes the efforts /v1/models lists for it; another (no thinking to
+    switch) any known value, as a no-op."""
+    if effort is not None and meta.reasoning and effort not in meta.efforts:
+        raise bad(param, f"'{param}' must be one of {', '.join(meta.efforts)} for this model; got {effort!r}")
+
+
 def _tool_choice(body: dict, tools):
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict):
@@ -115,6 +122,7 @@ async def chat_completions(ctx, request, response) -> None:
     body = request.json()
     model = ctx.check_model(body)
     req, opts = parse_chat_request(body)
+    check_effort(ctx.meta, req.effort, "reasoning_effort")
     gens, prompt = start_generations(ctx, req, opts.n)
     response.on_disconnect(lambda: [g.stream.abort() for g in gens])
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

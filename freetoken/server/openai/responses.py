@@ -18,7 +18,7 @@ import uuid
 
 from freetoken.server.generation import start_generation
 from freetoken.server.http import SSE_PING, sse_event
-from freetoken.server.openai.chat import parse_effort
+from freetoken.server.openai.chat import check_effort, parse_effort
 from freetoken.server.openai.responses_input import parse_responses_body
 
 _TEXT = {"message": ("output_text", "response.output_text"),
@@ -143,6 +143,7 @@ async def responses(ctx, request, response) -> None:
     body = request.json()
     model = ctx.check_model(body)
     req, stream = parse_responses_body(body, parse_effort)
+    check_effort(ctx.meta, req.effort, "reasoning.effort")
     gen, _ = start_generation(ctx, req)
     response.on_disconnect(gen.stream.abort)
     rid, created = f"resp_{uuid.uuid4().hex}", time.time()
