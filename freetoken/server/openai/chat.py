@@ -7,16 +7,16 @@ fragments), with finish_reason "tool_calls" when the model stopped to call tools
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-
-import asyncio
 
 from freetoken.server.generation import ChatRequest, start_generations
 from freetoken.server.http import SSE_DONE, SSE_PING, sse_event
 from freetoken.server.model_meta import EFFORTS
 from freetoken.server.openai.params import bad, get_dict, parse_generation
-from freetoken.server.openai.stream import logprobs_chat, prompt_logprobs_vllm, stream_many, usage
+from freetoken.server.openai.stream import (is_shutdown, logprobs_chat, prompt_logprobs_vllm, stream_error,
+                                            stream_many, usage)
 from freetoken.server.tools import check_tool_choice, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -168,9 +168,8 @@ async def _stream(ctx, gens, opts, response, base: dict) -> None:
         out = b"".join(chunk(j, x, logprobs=lp if i == 0 else None) for i, x in enumerate(deltas))
         return out + chunk(j, {}, finish=gens[j].finish_reason) if d.finished else out
 
-    def error(e: Exception) -> bytes:
-        return sse_event({"error": {"message": str(e), "type": "server_error", "param": None,
-                                    "code": None}})
+    def error(e: Exception) -> bytes:   # cut by shutdown: the error event, then the terminator
+        return stream_error(e) + (SSE_DONE if is_shutdown(e) else b"")
 
     response.start_stream()
     await response.write(b"".join(chunk(j, {"role": "assistant", "content": ""}) for j in range(len(gens))))

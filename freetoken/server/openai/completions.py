@@ -18,7 +18,7 @@ from freetoken.server.generation import sample_params
 from freetoken.server.http import SSE_DONE, SSE_PING, sse_event
 from freetoken.server.openai.params import bad, get_bool, parse_generation
 from freetoken.server.openai.stream import (collect, logprobs_completion, prompt_logprobs_vllm,
-                                            stream_many, usage)
+                                            is_shutdown, stream_error, stream_many, usage)
 
 MAX_PROMPTS = 256
 
@@ -159,8 +159,8 @@ async def completions(ctx, request, response) -> None:
             choice["prompt_logprobs"] = prompt_logprobs_vllm(tok, c.prompt_ids, d.prompt_logprobs)
         return sse_event({**base, "choices": [choice], **extra})
 
-    def error(e: Exception) -> bytes:
-        return sse_event({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+    def error(e: Exception) -> bytes:   # cut by shutdown: the error event, then the terminator
+        return stream_error(e) + (SSE_DONE if is_shutdown(e) else b"")
 
     response.start_stream()
     if not await stream_many(choices, response, ctx.server_config.ping_interval_s, SSE_PING, render, error):

@@ -19,6 +19,7 @@ import uuid
 from freetoken.server.generation import start_generation
 from freetoken.server.http import SSE_PING, sse_event
 from freetoken.server.openai.chat import check_effort, parse_effort
+from freetoken.server.openai.stream import is_shutdown
 from freetoken.server.openai.responses_input import parse_responses_body
 
 _TEXT = {"message": ("output_text", "response.output_text"),
@@ -165,10 +166,16 @@ async def responses(ctx, request, response) -> None:
     start = _response(body, rid, model, created, "in_progress", [])
     await response.write(events([{"type": "response.created", "response": start},
                                  {"type": "response.in_progress", "response": start}]))
-    if not await gen.stream_to(
-            response, ctx.server_config.ping_interval_s, SSE_PING,
-            lambda step: events(builder.feed(step.events)),
-            lambda e: events([{"type": "error", "code": "server_error", "message": str(e), "param": None}])):
+    def error(e: Exception) -> bytes:
+        out = [{"type": "error", "code": "server_error", "message": str(e), "param": None}]
+        if is_shutdown(e):   # cut by shutdown: the stream still ends with its terminator
+            failed = _response(body, rid, model, created, "failed", builder.output, gen)
+            out.append({"type": "response.failed",
+                        "response": {**failed, "error": {"code": "server_error", "message": str(e)}}})
+        return events(out)
+
+    if not await gen.stream_to(response, ctx.server_config.ping_interval_s, SSE_PING,
+                               lambda step: events(builder.feed(step.events)), error):
         return
     status = "incomplete" if gen.finish_reason == "length" else "completed"
     tail = builder.close(status)

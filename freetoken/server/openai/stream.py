@@ -116,6 +116,21 @@ def logprobs_completion(tokenizer, token_ids: list[int], logprobs: list, offset:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def is_shutdown(e: Exception) -> bool:
+    """The stream was cut because the server is shutting down (an EngineFailure marked
+    unavailable, or the 503 the Generation turns it into), not because a step failed. Such a
+    stream still ends with its dialect's terminator; a failed one does not, so no client takes
+    it for a complete answer."""
+    return getattr(e, "status", None) == 503 or getattr(e, "unavailable", False)
+
+
+def stream_error(e: Exception) -> bytes:
+    """The error event of a Chat Completions or Completions stream."""
+    from freetoken.server.http import sse_event
+    return sse_event({"error": {"message": str(e), "type": "service_unavailable" if is_shutdown(e) else "server_error",
+                                "param": None, "code": None}})
+
+
 async def stream_many(gens, response, ping_s: float | None, ping: bytes, render, error) -> bool:
     """Generation.stream_to for n samples at once: render(j, step) for each step of sample j, in
     the order they arrive; True when all ended, False when the client left or one failed (then
