@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 
 import torch
@@ -21,6 +22,29 @@ from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.output import TextStream
 from freetoken.scheduler.request import FinishReason, Request
 from freetoken.scheduler.scheduler import ScheduledChunk, Scheduler
+
+
+log = logging.getLogger("freetoken.engine")
+
+
+def context_warning(mc, max_model_len: int) -> str | None:
+    """A context beyond what the model was trained for (a gateway's --max-seq-len-override
+    cannot see the model): the trained length from max_position_embeddings, or what its RoPE
+    scaling extends it to."""
+    trained = mc.max_position_embeddings
+    rope = mc.rope or {}
+    factor = rope.get("factor")
+    scaled = None
+    if rope.get("rope_type", "default") != "default" and isinstance(factor, (int, float)) and factor > 1:
+        scaled = int(int(rope.get("original_max_position_embeddings") or trained) * factor)
+    limit = max(trained, scaled or 0)
+    if max_model_len <= limit:
+        return None
+    scaling = (f"; its RoPE scaling ({rope.get('rope_type')}, factor {factor}) extends that to {scaled}"
+               if scaled else "; it has no RoPE scaling")
+    return (f"max_model_len {max_model_len} exceeds the context this model was trained for: "
+            f"max_position_embeddings is {trained}{scaling}. Positions past {limit} are untrained "
+            f"and outputs there may be garbage")
 
 
 class RequestError(ValueError):
@@ -108,6 +132,9 @@ class EngineCore:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.vocab_size = runner.model_config.vocab_size
         self.max_model_len = runner.max_model_len
+        warning = context_warning(runner.model_config, self.max_model_len)
+        if warning:
+            log.warning("%s", warning)
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids) \
             if tokenizer is not None else None
         self._ids = itertools.count()

@@ -26,6 +26,7 @@ from freetoken.server.model_meta import ModelMeta
 from freetoken.server.openai.chat import chat_completions
 from freetoken.server.openai.completions import completions
 from freetoken.server.openai.responses import responses
+from freetoken.server.progress import LoadProgress
 from freetoken.utils import env
 
 log = logging.getLogger("freetoken.server")
@@ -49,6 +50,7 @@ class ServingApp:
         self.started = time.time()
         self.keep_resident = None
         self.warmup_report: dict | None = None
+        self.load_progress = LoadProgress()
         self.router = self._routes()
 
     # -- loading --------------------------------------------------------------------------
@@ -87,6 +89,7 @@ class ServingApp:
         core = EngineCore(runner, self.tokenizer, self.scheduler_config,
                           instrument_prefill=env.instrument_prefill())
         self._warmup(core)
+        self.load_progress.close()
         return core
 
     def _resolve_chat(self, model_type: str) -> None:
@@ -99,7 +102,7 @@ class ServingApp:
             template = ""
         self.meta = model_meta.resolve(model_type, template, self.server_config.reasoning_parser,
                                        set(self.tokenizer.all_special_tokens))
-        log.info("chat conventions: %s", self.meta.describe())
+        log.info("chat conventions: %s", ", ".join(f"{k}={v}" for k, v in self.meta.describe().items()))
         path = env.debug_script()
         if path is not None:
             self.script = DebugScript.load(path)
@@ -113,10 +116,12 @@ class ServingApp:
         from freetoken.scheduler.warmup import run_warmup
 
         enabled = env.prefill_warmup()
-        if enabled is None:
-            enabled = core.runner.device.type == "cuda"
-        if not enabled:
-            log.info("warmup skipped (FREETOKEN_PREFILL_WARMUP=0, or a CPU device with nothing to compile)")
+        if enabled is False:
+            log.info("warmup skipped: FREETOKEN_PREFILL_WARMUP=0")
+            return
+        if enabled is None and core.runner.device.type != "cuda":
+            log.info("warmup skipped: the %s device runs torch references, with no kernels to compile "
+                     "(FREETOKEN_PREFILL_WARMUP=1 forces it)", core.runner.device.type)
             return
         try:
             self.warmup_report = run_warmup(core, env.warmup_max_depth(), self._set_phase)
@@ -128,9 +133,11 @@ class ServingApp:
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
+        self.load_progress.phase(phase)
 
     def _progress(self, done: int, total: int) -> None:
         self.done_bytes, self.total_bytes = done, total
+        self.load_progress.bytes(done, total)
 
     async def shutdown(self, timeout_s: float) -> None:
         if self.engine is not None:
