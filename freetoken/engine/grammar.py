@@ -60,6 +60,10 @@ class GrammarCompiler:
                 eos_token=self.eos_ids or None)
         return self._ll_tokenizer
 
+    def warm(self) -> None:
+        """Build the llguidance tokenizer now (a server does it while loading, not in a request)."""
+        _ = self.ll_tokenizer
+
     @property
     def words(self) -> int:
         """int32 words per bitmask row."""

@@ -88,6 +88,8 @@ class ServingApp:
         self.max_model_len = runner.max_model_len
         core = EngineCore(runner, self.tokenizer, self.scheduler_config,
                           instrument_prefill=env.instrument_prefill())
+        if core.grammars is not None:
+            core.grammars.warm()          # off the event loop: ~1 s for a 150k-token vocabulary
         self._warmup(core)
         self.load_progress.close()
         return core

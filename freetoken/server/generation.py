@@ -222,7 +222,7 @@ class Generation:
         self.token_ids.extend(d.new_token_ids)
         self.logprobs.extend(d.logprobs or [])
         self.prefill = d.prefill or self.prefill
-        if d.prompt_logprobs is not None:
+        if getattr(d, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = d.prompt_logprobs
         if was_reasoning or any(e.kind == "reasoning" for e in events):
             self.num_reasoning_tokens += len(d.new_token_ids)
