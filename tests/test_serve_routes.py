@@ -107,3 +107,22 @@ def test_no_cors_without_the_flag(tiny_model_dir):  # noqa: F811
     with ServerProcess(tiny_model_dir("qwen3_moe", seed=0, name="tiny-qwen3", max_position_embeddings=256)) as s:
         status, headers, _ = _raw(s, "GET", "/health", headers={"Origin": ORIGIN})
         assert status == 200 and "access-control-allow-origin" not in headers
+
+
+def test_logprob_bytes_are_the_tokens_own(client, tiny_model_dir):  # noqa: F811
+    from freetoken.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(tiny_model_dir("qwen3_moe", seed=0, name="tiny-qwen3", max_position_embeddings=256))
+    # A token holding the middle of a UTF-8 character (an emoji is several byte-level tokens).
+    partial = next(i for i in tok.encode("🙂🎉") if tok.token_bytes(i) and tok.token_bytes(i)[0] >= 0x80
+                   and not tok.token_bytes(i).decode("utf-8", "ignore"))
+    r = client.chat.completions.create(model="tiny-qwen3", messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1, logprobs=True, top_logprobs=2,
+                                       logit_bias={str(partial): 100}, reasoning_effort="none")
+    item = r.choices[0].logprobs.content[0]
+    assert bytes(item.bytes) == tok.token_bytes(partial) and b"\xef\xbf\xbd" not in bytes(item.bytes)
+    # Completions: 20 alternatives give 20 distinct keys, partial tokens included.
+    c = client.completions.create(model="tiny-qwen3", prompt="🙂🎉 ok", max_tokens=4, logprobs=20, echo=True,
+                                  temperature=0)
+    tops = [t for t in c.choices[0].logprobs.top_logprobs if t is not None]
+    assert tops and all(len(t) == 20 for t in tops)
+    assert any(k.startswith("bytes:") for k in c.choices[0].logprobs.tokens)

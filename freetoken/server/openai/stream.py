@@ -73,11 +73,13 @@ def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
 
 def token_key(tokenizer, token_id: int) -> str:
     """A token as a completions logprobs string: its text, or for a token that is not whole
-    UTF-8 by itself "bytes:\\xNN..." (as OpenAI writes them), so distinct tokens never share
-    a key in top_logprobs."""
+    UTF-8 by itself "bytes:\\xNN..." (as OpenAI writes them), and one with no bytes (an id
+    past the tokenizer) "token_id:N", so distinct tokens do not share a key in top_logprobs."""
     if tokenizer is None:
         return str(token_id)
     raw = tokenizer.token_bytes(token_id)
+    if not raw:       # an id past the tokenizer (the model's vocabulary may be larger)
+        return f"token_id:{token_id}"
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -100,6 +102,16 @@ def logprobs_chat(tokenizer, result) -> dict:
     return {"content": content}
 
 
+def _top_dict(tokenizer, top: list) -> dict:
+    """{key: logprob} for the alternatives; two tokens with the same text (an added token and
+    its spelling in pieces, say) keep apart as "token_id:N"."""
+    out: dict = {}
+    for t, v in top:
+        key = token_key(tokenizer, t)
+        out[f"token_id:{t}" if key in out else key] = v
+    return out
+
+
 def logprobs_completion(tokenizer, token_ids: list[int], logprobs: list, offset: int) -> dict:
     """Legacy completions shape: parallel lists of tokens, logprobs, top dicts, text offsets
     (characters into the choice's text). A None entry (the first prompt token with echo) has
@@ -110,7 +122,7 @@ def logprobs_completion(tokenizer, token_ids: list[int], logprobs: list, offset:
         text = token_key(tokenizer, tid)
         tokens.append(text)
         token_lps.append(lp[0] if lp else None)
-        tops.append({token_key(tokenizer, t): v for t, v in lp[1]} if lp else None)
+        tops.append(_top_dict(tokenizer, lp[1]) if lp else None)
         offsets.append(offset + len(raw.decode("utf-8", errors="ignore")))
         raw += tokenizer.token_bytes(tid) if tokenizer else text.encode()
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
