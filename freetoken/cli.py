@@ -8,6 +8,7 @@ flags can launch this one.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -57,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "llama4_pythonic, gemma4")
     s.add_argument("--ping-interval", type=float, default=15.0, metavar="S",
                    help="streams send a keep-alive ping after S seconds without output")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM/SIGINT, let running requests finish for up to S seconds, then abort them")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help='CORS: origins browsers may call from, a JSON list or comma-separated '
+                        '(["*"]: any); default none')
     _add_moe_flags(s)
     s.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
 
@@ -128,6 +134,20 @@ def _moe_config(args):
                      lfu_decay=args.moe_lfu_decay, trace_path=args.moe_trace)
 
 
+def _origins(value: str | None) -> tuple[str, ...]:
+    """--allowed-origins as vLLM spells it (a JSON list) or comma-separated."""
+    if not value:
+        return ()
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError as e:
+            raise SystemExit(f"ft serve: --allowed-origins is not a JSON list: {e}") from None
+    else:
+        items = value.split(",")
+    return tuple(str(o).strip() for o in items if str(o).strip())
+
+
 def _resolve_device(args) -> str:
     import torch
 
@@ -181,7 +201,9 @@ def serve(args) -> int:
                               max_body_bytes=int(args.max_body_mb * 2**20),
                               cpu_threads=args.cpu_threads, reasoning_parser=args.reasoning_parser,
                               tool_call_parser=args.tool_call_parser,
-                              ping_interval_s=args.ping_interval)
+                              ping_interval_s=args.ping_interval,
+                              shutdown_timeout_s=args.shutdown_timeout,
+                              allowed_origins=_origins(args.allowed_origins))
         engine = EngineConfig(model=model, device=_resolve_device(args), dtype=args.dtype,
                               max_model_len=args.max_seq_len_override,
                               kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args))

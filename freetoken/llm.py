@@ -34,6 +34,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None    # with SamplingParams.prompt_logprobs: None, then (lp, top, rank)
 
     @property
     def outputs(self):   # vLLM keeps the completion one level down; offer both spellings
@@ -53,6 +54,9 @@ class LLM:
                  moe_prefetch: str | bool = "auto", moe_lfu_decay: float = 0.9,
                  moe_trace: str | None = None):
         # moe_*: where the experts live and run (see freetoken.moe.config.MoeConfig).
+        from freetoken.demo.builtin import DEMO_NAME, demo_model_path
+        if model == DEMO_NAME:            # the demo's served name, as `ft serve` with no model serves it
+            model = str(demo_model_path())
         # moe_trace is written when this LLM is collected or the interpreter exits, or by
         # llm.runner.moe.close().
         moe = MoeConfig(backend=moe_backend, cache_size=moe_cache_size, cache_rate=moe_cache_rate,
@@ -106,16 +110,20 @@ class LLM:
             raise
         texts = {r.request_id: [] for r in reqs}
         logprobs = {r.request_id: [] for r in reqs}
+        prompt_lps = {}
         while self.engine.has_work:
             for d in self.engine.step():
                 if d.request_id in texts:
                     texts[d.request_id].append(d.text)
+                    if d.prompt_logprobs is not None:
+                        prompt_lps[d.request_id] = d.prompt_logprobs
                     if d.logprobs:
                         logprobs[d.request_id].extend(d.logprobs)
         return [RequestOutput(r.request_id, text, r.prompt_token_ids, r.output_token_ids,
                               "".join(texts[r.request_id]),
                               r.finish_reason.value if r.finish_reason else None, r.stop_reason,
-                              logprobs[r.request_id] if r.params.logprobs is not None else None)
+                              logprobs[r.request_id] if r.params.logprobs is not None else None,
+                              prompt_lps.get(r.request_id))
                 for r, (text, _) in zip(reqs, encoded)]
 
     @torch.inference_mode()

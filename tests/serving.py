@@ -72,11 +72,17 @@ class ServerProcess(HttpClient):
         self.log_path = f"/tmp/ft-serve-{self.port}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env)
-        self.wait_listening()
-        if wait_ready:
-            self.wait_ready()
+        try:
+            self.wait_listening()
+            if wait_ready:
+                self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     def logs(self) -> str:
+        if self.log.closed:      # stopped: the file is gone, its text kept
+            return self._log_text
         with open(self.log_path) as f:
             return f.read()
 
@@ -118,7 +124,11 @@ class ServerProcess(HttpClient):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
+            with open(self.log_path) as f:
+                self._log_text = f.read()
+            os.unlink(self.log_path)     # leave no ft-serve-<port>.log behind
         return self.proc.returncode
 
     def __enter__(self):

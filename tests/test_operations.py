@@ -29,7 +29,13 @@ def scrape(server) -> dict:
     status, raw = server.request("GET", "/metrics")
     assert status == 200
     values = {}
-    for family in text_string_to_metric_families(raw.decode() if isinstance(raw, bytes) else raw):
+    families = list(text_string_to_metric_families(raw.decode() if isinstance(raw, bytes) else raw))
+    # Prometheus' own parser attaches every sample to its family: none is left empty.
+    empty = [f.name for f in families if not f.samples]
+    assert not empty, empty
+    types = {f.name: f.type for f in families}
+    assert types["freetoken_preemptions"] == "counter" and types["freetoken_prompt_tokens"] == "counter"
+    for family in families:
         for s in family.samples:
             values[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return values

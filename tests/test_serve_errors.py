@@ -44,7 +44,11 @@ def chat(**over):
     (chat(top_p=1.5), "top_p"),
     (chat(max_tokens=0), "max_tokens"),
     (chat(max_tokens="many"), "max_tokens"),
-    (chat(n=2), "n"),
+    (chat(n=0), "n"),
+    (chat(n=100), "n"),
+    (chat(presence_penalty=-3), "presence_penalty"),
+    (chat(logit_bias={"x": 1}), "logit_bias"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"schema": 5}}), "response_format.json_schema.schema"),
     (chat(stop=[1, 2]), "stop"),
     (chat(top_k=-7), "top_k"),
     (chat(seed="x"), "seed"),
@@ -65,7 +69,10 @@ def test_bad_completion_bodies(server):
     assert_error(*server.request("POST", "/v1/completions", {"model": "tiny", "prompt": 5}), 400, "prompt")
     assert_error(*server.request("POST", "/v1/completions", {"model": "tiny", "prompt": [1, 10**9]}), 400)
     long = {"model": "tiny", "prompt": list(range(1, 300)), "max_tokens": 2}
-    assert_error(*server.request("POST", "/v1/completions", long), 400)
+    assert_error(*server.request("POST", "/v1/completions", long), 400, "prompt")
+    batch = {"model": "tiny", "prompt": ["fine", list(range(1, 300))], "max_tokens": 2}
+    assert_error(*server.request("POST", "/v1/completions", batch), 400, "prompt")
+    assert_error(*server.request("POST", "/v1/completions", {"model": "tiny", "prompt": ["ok", 5]}), 400, "prompt")
 
 
 def test_malformed_json_and_non_object(server):

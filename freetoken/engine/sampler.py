@@ -1,4 +1,5 @@
-"""Turn a step's logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Turn a step's logits into tokens: logit bias, penalties, structured-output masks, then greedy,
+temperature, top-k, top-p, min-p, per-request seeds.
 
 logits: [N, V] float32, one row per sequence that samples this step. Rows are processed
 together; only per-request random draws loop, so each seeded request's stream depends on its
@@ -6,6 +7,9 @@ own generator alone (the same seed gives the same tokens whatever it is batched 
 A draw is the inverse CDF at one uniform per row (not a random number per token).
 Filters work on each row's top candidates (top-k, or the nucleus's), never a full sort
 of the vocabulary unless a top-p nucleus is wider than NUCLEUS_CANDIDATES tokens.
+The processors before them (logit_bias, presence/frequency/repetition penalties, the grammar
+bitmask, min_tokens bans, forced tokens) touch only the rows that ask for them; logprobs report
+the model's own distribution, before any of them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 
 import torch
 
+from freetoken.engine.grammar import apply_bitmask
 from freetoken.engine.sampling_params import SamplingParams
 
 
@@ -23,6 +28,8 @@ class SampleRow:
     generator: torch.Generator | None
     banned_ids: tuple[int, ...] = ()   # e.g. EOS before min_tokens is reached
     forced_id: int | None = None       # every other token masked out (scripted output, tests)
+    prompt_ids: list[int] = ()         # for repetition_penalty
+    output_ids: list[int] = ()         # for the three penalties
 
 
 @dataclasses.dataclass
@@ -32,17 +39,11 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> SampleResult:
+    """bitmask: None, or [N, ceil(V/32)] int32 (grammar.py): a 0 bit masks that row's token."""
     n, vocab = logits.shape
     raw = logits = logits.float()  # logprobs report the model's own distribution
-    if any(r.banned_ids or r.forced_id is not None for r in rows):
-        logits = logits.clone()
-        for i, row in enumerate(rows):
-            ids = [t for t in row.banned_ids if 0 <= t < vocab]
-            logits[i, ids] = float("-inf")
-            if row.forced_id is not None and 0 <= row.forced_id < vocab:
-                logits[i] = float("-inf")
-                logits[i, row.forced_id] = 0.0
+    logits = _process(logits, rows, bitmask)
 
     # The host syncs of a step: the final tolist(), and one more only when a top-p row
     # without top-k must check that its nucleus lies within its candidates. Per-row settings
@@ -61,6 +62,63 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
             chosen[_rows_tensor(draw, torch.int64, dev)] = sampled
     token_ids = chosen.tolist()
     return SampleResult(token_ids, _logprobs(raw, token_ids, rows))
+
+
+def _process(logits: torch.Tensor, rows: list[SampleRow], bitmask) -> torch.Tensor:
+    """Logit bias, penalties, the grammar mask, bans and forced tokens, on a copy."""
+    vocab = logits.shape[1]
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    banned = [i for i, r in enumerate(rows) if r.banned_ids or r.forced_id is not None]
+    if not (biased or penalized or banned or bitmask is not None):
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        bias = rows[i].params.logit_bias
+        ids = [t for t in bias if 0 <= t < vocab]
+        logits[i, ids] += torch.tensor([bias[t] for t in ids], device=logits.device)
+    if penalized:
+        idx = _rows_tensor(penalized, torch.int64, logits.device)
+        logits[idx] = apply_penalties(logits[idx], [rows[i] for i in penalized])
+    if bitmask is not None:
+        logits = apply_bitmask(logits, bitmask)
+    for i in banned:
+        row = rows[i]
+        ids = [t for t in row.banned_ids if 0 <= t < vocab]
+        # Never ban every token a grammar allows (a complete JSON value allows only EOS).
+        if ids:
+            kept = logits[i].clone()
+            kept[ids] = float("-inf")
+            if bitmask is None or bool(torch.isfinite(kept).any()):
+                logits[i] = kept
+        if row.forced_id is not None and 0 <= row.forced_id < vocab:
+            logits[i] = float("-inf")
+            logits[i, row.forced_id] = 0.0
+    return logits
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """x [m, V] with vLLM's penalties: repetition (CTRL's: a seen token's logit divided by the
+    penalty when positive, multiplied when negative; seen = in the prompt or the output), then
+    OpenAI's frequency (x count in the output) and presence (once, if in the output)."""
+    m, vocab = x.shape
+    dev = x.device
+    counts = torch.zeros(m, vocab, dtype=torch.float32, device=dev)
+    for j, r in enumerate(rows):
+        out = [t for t in r.output_ids if 0 <= t < vocab]
+        if out:
+            counts[j].index_add_(0, torch.tensor(out, device=dev), torch.ones(len(out), device=dev))
+    rep = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in rep):
+        seen = counts > 0
+        for j, r in enumerate(rows):
+            if rep[j] != 1.0 and r.prompt_ids:
+                seen[j, torch.tensor([t for t in r.prompt_ids if 0 <= t < vocab], device=dev)] = True
+        p = _rows_tensor(rep, torch.float32, dev)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
+    freq = _rows_tensor([r.params.frequency_penalty for r in rows], torch.float32, dev)[:, None]
+    pres = _rows_tensor([r.params.presence_penalty for r in rows], torch.float32, dev)[:, None]
+    return x - freq * counts - pres * (counts > 0).float()
 
 
 def _rows_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -202,3 +260,17 @@ def _logprobs(raw: torch.Tensor, token_ids: list[int], rows: list[SampleRow]):
             top = list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist()))
         out[i] = (float(lp[j, token_ids[i]]), top)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], n: int) -> list:
+    """Scoring: rows of logits [m, V] and the token each was followed by -> per row (logprob of
+    that token, [(id, logprob)] its top n, its rank: 1 + how many tokens were likelier), from
+    the model's own distribution."""
+    lp = logits.float().log_softmax(dim=-1)
+    picked_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])       # [m, 1]
+    ranks = ((lp > picked_t).sum(dim=-1) + 1).tolist()
+    picked = picked_t.squeeze(1).tolist()
+    if not n:
+        return [(v, [], r) for v, r in zip(picked, ranks)]
+    vals, ids = lp.topk(n, dim=-1)
+    return [(v, list(zip(i, t)), r) for v, i, t, r in zip(picked, ids.tolist(), vals.tolist(), ranks)]

@@ -90,7 +90,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)
         if self.core.abort(request_id) and stream is not None:
-            self.metrics.on_finish(stream, "abort", stream.num_output_tokens)
+            self._aborted(stream)
+
+    def _aborted(self, stream: RequestStream) -> None:
+        """An aborted request is counted, logged and listed in /v1/stats like a finished one."""
+        self.metrics.on_finish(stream, "abort", stream.num_output_tokens)
+        ttft = stream.first_token_at - stream.arrival if stream.first_token_at else None
+        self.recent.append({"id": stream.request_id, "prompt_tokens": stream.num_prompt_tokens,
+                            "output_tokens": stream.num_output_tokens, "finish_reason": "abort",
+                            "ttft_s": round(ttft, 6) if ttft is not None else None})
 
     @property
     def num_running(self) -> int:
@@ -141,7 +149,8 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self.streams.items()):
-            self.core.abort(rid)
+            if self.core.abort(rid):
+                self._aborted(stream)
             stream.queue.put_nowait(error)
         self.streams.clear()
 

@@ -9,15 +9,42 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 
+import torch
+
+from freetoken.engine.grammar import GrammarCompiler, GrammarError
 from freetoken.engine.model_runner import ModelRunner, SeqChunk
-from freetoken.engine.sampler import SampleRow, sample
+from freetoken.engine.sampler import SampleRow, sample, token_logprobs
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.output import TextStream
 from freetoken.scheduler.request import FinishReason, Request
 from freetoken.scheduler.scheduler import ScheduledChunk, Scheduler
+
+
+log = logging.getLogger("freetoken.engine")
+
+
+def context_warning(mc, max_model_len: int) -> str | None:
+    """A context beyond what the model was trained for (a gateway's --max-seq-len-override
+    cannot see the model): the trained length from max_position_embeddings, or what its RoPE
+    scaling extends it to."""
+    trained = mc.max_position_embeddings
+    rope = mc.rope or {}
+    factor = rope.get("factor")
+    scaled = None
+    if rope.get("rope_type", "default") != "default" and isinstance(factor, (int, float)) and factor > 1:
+        scaled = int(int(rope.get("original_max_position_embeddings") or trained) * factor)
+    limit = max(trained, scaled or 0)
+    if max_model_len <= limit:
+        return None
+    scaling = (f"; its RoPE scaling ({rope.get('rope_type')}, factor {factor}) extends that to {scaled}"
+               if scaled else "; it has no RoPE scaling")
+    return (f"max_model_len {max_model_len} exceeds the context this model was trained for: "
+            f"max_position_embeddings is {trained}{scaling}. Positions past {limit} are untrained "
+            f"and outputs there may be garbage")
 
 
 class RequestError(ValueError):
@@ -41,6 +68,9 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     prefill: dict | None = None        # with instrument_prefill, on the finishing delta
+    # With params.prompt_logprobs, on the first delta: per prompt token, None (the first) or
+    # (logprob, [(id, logprob)] top-n).
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -61,22 +91,21 @@ class PrefillTimer:
     def __init__(self, device):
         self.cuda = device.type == "cuda"
 
-    def run(self, runner, chunks, scheduled):
+    def run(self, runner, chunks, scheduled, all_logits: bool = False):
         prefilling = [s.request for s in scheduled
                       if s.request.num_computed_tokens < s.request.num_prompt_tokens]
         if not prefilling:
-            return runner.run(chunks)
+            return runner.run(chunks, all_logits=all_logits)
         if self.cuda:
-            import torch
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            logits = runner.run(chunks)
+            logits = runner.run(chunks, all_logits=all_logits)
             end.record()
             end.synchronize()
             seconds = start.elapsed_time(end) / 1e3
         else:
             t0 = time.perf_counter()
-            logits = runner.run(chunks)
+            logits = runner.run(chunks, all_logits=all_logits)
             seconds = time.perf_counter() - t0
         tokens = {id(s.request): s.num_tokens for s in scheduled}
         for req in prefilling:
@@ -103,6 +132,11 @@ class EngineCore:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.vocab_size = runner.model_config.vocab_size
         self.max_model_len = runner.max_model_len
+        warning = context_warning(runner.model_config, self.max_model_len)
+        if warning:
+            log.warning("%s", warning)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids) \
+            if tokenizer is not None else None
         self._ids = itertools.count()
 
     # -- requests in and out ---------------------------------------------------------------
@@ -114,7 +148,14 @@ class EngineCore:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}")
+        bias = params.logit_bias or {}
+        bad = [t for t in bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"logit_bias names token {bad[0]}, outside the vocabulary "
+                               f"(0..{self.vocab_size - 1})", "logit_bias")
         req = Request(request_id, prompt_token_ids, params, params.max_tokens or room)
+        if params.structured_outputs is not None:
+            req.grammar = self._compile(params.structured_outputs)
         self.requests[request_id] = req
         if forced_token_ids:
             self.forced[request_id] = list(forced_token_ids)
@@ -142,12 +183,21 @@ class EngineCore:
             raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds "
                                f"the model's context of {self.max_model_len} tokens", "max_tokens")
 
+    def _compile(self, spec):
+        if self.grammars is None:
+            raise RequestError("structured outputs need the tokenizer (this engine has none)", spec.param)
+        try:
+            return self.grammars.compile(spec)
+        except GrammarError as e:
+            raise RequestError(str(e), e.param) from None
+
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
         self.scheduler.remove(req)
         req.finish(FinishReason.ABORT)
+        req.grammar = None
         self.streams.pop(request_id, None)
         self.forced.pop(request_id, None)
         return True
@@ -163,10 +213,15 @@ class EngineCore:
         if not scheduled:
             return []
         chunks = [self._chunk(s) for s in scheduled]
+        # Prompt logprobs need every position's logits (only in steps that prefill such a request).
+        all_logits = any(s.request.params.prompt_logprobs is not None
+                         and s.request.num_computed_tokens < s.request.num_prompt_tokens for s in scheduled)
         if self.prefill_timer is not None:
-            logits = self.prefill_timer.run(self.runner, chunks, scheduled)
+            logits = self.prefill_timer.run(self.runner, chunks, scheduled, all_logits)
         else:
-            logits = self.runner.run(chunks)
+            logits = self.runner.run(chunks, all_logits=all_logits)
+        if all_logits:
+            logits = self._prompt_logprobs(scheduled, logits)
         deltas = self._postprocess(scheduled, logits)
         self.stats.steps += 1
         self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(scheduled))
@@ -178,6 +233,29 @@ class EngineCore:
         start = r.num_computed_tokens
         return SeqChunk(r.token_ids(start, start + s.num_tokens), start, r.block_ids, s.samples)
 
+    def _prompt_logprobs(self, scheduled: list[ScheduledChunk], logits):
+        """From a forward's logits [T, V] (every position): record the prompt logprobs of the
+        requests that ask, and return the rows that sample, as run() does without all_logits.
+        Position p's row scores prompt token p + 1; a recomputed (preempted) prompt is not
+        scored twice."""
+        rows, offset = [], 0
+        for s in scheduled:
+            req, start = s.request, s.request.num_computed_tokens
+            n = req.params.prompt_logprobs
+            if n is not None and start < req.num_prompt_tokens:
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None]
+                first = len(req.prompt_logprobs) - 1          # the position scoring the next one
+                last = min(start + s.num_tokens, req.num_prompt_tokens - 1)   # exclusive
+                if first < last and first >= start:
+                    targets = req.prompt_token_ids[first + 1:last + 1]
+                    req.prompt_logprobs += token_logprobs(
+                        logits[offset + first - start:offset + last - start], targets, n)
+            offset += s.num_tokens
+            if s.samples:
+                rows.append(offset - 1)
+        return logits[torch.tensor(rows, device=logits.device)] if rows else logits[:0]
+
     def _postprocess(self, scheduled: list[ScheduledChunk], logits) -> list[RequestDelta]:
         sampling = [s.request for s in scheduled if s.samples]
         for s in scheduled:
@@ -186,11 +264,16 @@ class EngineCore:
                 self.stats.prompt_tokens_computed += s.num_tokens
         if not sampling:
             return []
-        result = sample(logits, [self._sample_row(r) for r in sampling])
+        constrained = [(r.grammar, i) for i, r in enumerate(sampling)
+                       if r.grammar is not None and r.grammar.active]
+        bitmask = self.grammars.fill(constrained, len(sampling)) if constrained else None
+        result = sample(logits, [self._sample_row(r) for r in sampling], bitmask)
         deltas = []
         now = time.monotonic()
         for req, token, lp in zip(sampling, result.token_ids, result.logprobs):
             req.output_token_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.accept(token, req.output_token_ids)
             req.first_token_time = req.first_token_time or now
             self.stats.tokens_generated += 1
             deltas.append(self._advance(req, token, lp))
@@ -202,8 +285,11 @@ class EngineCore:
             banned = tuple(req.params.stop_token_ids) + (() if req.params.ignore_eos else tuple(self.eos_ids))
         forced = self.forced.get(req.request_id)
         n = req.num_output_tokens
-        return SampleRow(req.params, req.generator, banned,
-                         forced[n] if forced is not None and n < len(forced) else None)
+        p = req.params
+        return SampleRow(p, req.generator, banned,
+                         forced[n] if forced is not None and n < len(forced) else None,
+                         req.prompt_token_ids if p.repetition_penalty != 1.0 else (),
+                         req.output_token_ids if p.has_penalties else ())
 
     def _advance(self, req: Request, token: int, lp) -> RequestDelta:
         """Stop checks for the new token, then its text."""
@@ -219,6 +305,8 @@ class EngineCore:
             text, hit = stream.add(token)
             if hit is not None:
                 reason, stop = FinishReason.STOP, hit
+        if reason is None and req.grammar is not None and req.grammar.done:
+            reason = FinishReason.STOP      # the constrained value is complete: only EOS could follow
         if reason is None and (req.num_output_tokens >= req.max_tokens
                                or req.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
@@ -230,10 +318,12 @@ class EngineCore:
                             reason.value if reason else None, stop,
                             [lp] if lp is not None else None,
                             req.num_prompt_tokens, req.num_output_tokens,
-                            req.prefill_report() if reason is not None else None)
+                            req.prefill_report() if reason is not None else None,
+                            req.prompt_logprobs if req.num_output_tokens == 1 else None)
 
     def _finish(self, req: Request, reason: FinishReason, stop) -> None:
         req.finish(reason, stop)
+        req.grammar = None
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         self.streams.pop(req.request_id, None)

@@ -23,8 +23,8 @@ class EngineMetrics:
         self.prompt_tokens = r.add(Counter("freetoken_prompt_tokens", "Prompt tokens of finished requests"))
         self.generation_tokens = r.add(Counter("freetoken_generation_tokens", "Tokens generated"))
         self.requests = r.add(Counter("freetoken_requests_finished", "Finished requests by finish reason"))
-        self.preemptions = r.add(Gauge("freetoken_preemptions_total", "Requests preempted for KV space",
-                                       lambda: sched.num_preemptions))
+        self.preemptions = r.add(Counter("freetoken_preemptions", "Requests preempted for KV space",
+                                         lambda: sched.num_preemptions))
         self.ttft = r.add(Histogram("freetoken_time_to_first_token_seconds", "Time to first token"))
         self.itl = r.add(Histogram("freetoken_inter_token_latency_seconds", "Time between tokens"))
         self.e2e = r.add(Histogram("freetoken_e2e_request_latency_seconds", "Request latency"))

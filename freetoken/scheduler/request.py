@@ -41,6 +41,8 @@ class Request:
         self.prefill_s = 0.0                  # with instrument_prefill: forward time of its prefill
         self.prefill_tokens = 0
         self.prefill_shared = False
+        self.grammar = None                   # structured outputs: engine.grammar.Grammar
+        self.prompt_logprobs: list | None = None   # with params.prompt_logprobs, filled by prefill
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -28,6 +28,7 @@ from freetoken.server.openai.chat import chat_completions
 from freetoken.server.openai.completions import completions
 from freetoken.server.openai.responses import responses
 from freetoken.server.tokenize import detokenize, tokenize
+from freetoken.server.progress import LoadProgress
 from freetoken.utils import env
 
 log = logging.getLogger("freetoken.server")
@@ -51,6 +52,7 @@ class ServingApp:
         self.started = time.time()
         self.keep_resident = None
         self.warmup_report: dict | None = None
+        self.load_progress = LoadProgress()
         self.router = self._routes()
 
     # -- loading --------------------------------------------------------------------------
@@ -92,7 +94,10 @@ class ServingApp:
         self.max_model_len = runner.max_model_len
         core = EngineCore(runner, self.tokenizer, self.scheduler_config,
                           instrument_prefill=env.instrument_prefill())
+        if core.grammars is not None:
+            core.grammars.warm()          # off the event loop: ~1 s for a 150k-token vocabulary
         self._warmup(core)
+        self.load_progress.close()
         return core
 
     def _resolve_chat(self, model_type: str) -> None:
@@ -110,7 +115,7 @@ class ServingApp:
                                        self.server_config.tool_call_parser)
         log.info("parsers (%s): reasoning %s, tool calls %s", self.meta.chosen_by,
                  self.meta.reasoning_parser or "off", self.meta.tool_format or "none")
-        log.info("chat conventions: %s", self.meta.describe())
+        log.info("chat conventions: %s", ", ".join(f"{k}={v}" for k, v in self.meta.describe().items()))
         path = env.debug_script()
         if path is not None:
             self.script = DebugScript.load(path)
@@ -124,10 +129,12 @@ class ServingApp:
         from freetoken.scheduler.warmup import run_warmup
 
         enabled = env.prefill_warmup()
-        if enabled is None:
-            enabled = core.runner.device.type == "cuda"
-        if not enabled:
-            log.info("warmup skipped (FREETOKEN_PREFILL_WARMUP=0, or a CPU device with nothing to compile)")
+        if enabled is False:
+            log.info("warmup skipped: FREETOKEN_PREFILL_WARMUP=0")
+            return
+        if enabled is None and core.runner.device.type != "cuda":
+            log.info("warmup skipped: the %s device runs torch references, with no kernels to compile "
+                     "(FREETOKEN_PREFILL_WARMUP=1 forces it)", core.runner.device.type)
             return
         try:
             self.warmup_report = run_warmup(core, env.warmup_max_depth(), self._set_phase)
@@ -139,9 +146,11 @@ class ServingApp:
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
+        self.load_progress.phase(phase)
 
     def _progress(self, done: int, total: int) -> None:
         self.done_bytes, self.total_bytes = done, total
+        self.load_progress.bytes(done, total)
 
     async def shutdown(self, timeout_s: float) -> None:
         if self.engine is not None:
@@ -175,8 +184,11 @@ class ServingApp:
     # -- routes ---------------------------------------------------------------------------
     def _routes(self) -> Router:
         r = Router()
+        r.set_cors(self.server_config.allowed_origins)
+        r.add("GET", "/", self.root)
         r.add("GET", "/health", self.health)
         r.add("GET", "/v1/models", self.models)
+        r.add("GET", "/v1/models/{id:path}", self.model)
         r.add("GET", "/v1/stats", self.stats)
         r.add("GET", "/metrics", self.metrics)
         r.add("GET", "/v1/instrumentation", self.instrumentation)
@@ -254,14 +266,27 @@ class ServingApp:
             body["moe"] = moe_report()
         response.send_json(200, body)
 
+    def _model_card(self) -> dict:
+        return {"id": self.server_config.served_model_name, "object": "model", "created": int(self.started),
+                "owned_by": "freetoken", "root": self.server_config.model_path,
+                "max_model_len": self.max_model_len, "reasoning_efforts": self.meta.efforts,
+                "reasoning_parser": self.meta.reasoning_parser if self.meta.reasoning else None,
+                "tool_call_format": self.meta.tool_format, "tool_call_parser": self.meta.tool_format}
+
     async def models(self, request, response) -> None:
-        name = self.server_config.served_model_name
-        response.send_json(200, {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(self.started), "owned_by": "freetoken",
-            "root": self.server_config.model_path, "max_model_len": self.max_model_len,
-            "reasoning_efforts": self.meta.efforts,
-            "reasoning_parser": self.meta.reasoning_parser if self.meta.reasoning else None,
-            "tool_call_format": self.meta.tool_format, "tool_call_parser": self.meta.tool_format}]})
+        response.send_json(200, {"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request, response) -> None:
+        """GET /v1/models/{id}: the served model by its name (or its path), else 404."""
+        self.check_model({"model": request.path_rest})
+        response.send_json(200, self._model_card())
+
+    async def root(self, request, response) -> None:
+        """GET / (and HEAD /, as load balancers probe): who this is, and where to look."""
+        response.send_json(200, {"server": "freetoken", "version": freetoken.__version__,
+                                 "status": self.status, "model": self.server_config.served_model_name,
+                                 "endpoints": ["/health", "/v1/models", "/v1/chat/completions",
+                                               "/v1/completions", "/v1/responses", "/v1/messages"]})
 
     async def stats(self, request, response) -> None:
         core = self.engine.core

@@ -27,6 +27,7 @@ class ServerConfig:
     # How tool calls are read out of the answer: "auto" (from the model type and the markers
     # its chat template writes) or a parser name (toolcalls.TOOL_PARSERS, vLLM's names).
     tool_call_parser: str = "auto"
+    allowed_origins: tuple[str, ...] = ()   # CORS (--allowed-origins); "*": any origin
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -35,7 +36,7 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError("cpu_threads must be positive")
-        if self.shutdown_timeout_s < 0:
+        if not self.shutdown_timeout_s >= 0:
             raise ValueError("shutdown_timeout_s must be >= 0")
         if not self.ping_interval_s > 0:
             raise ValueError("ping_interval_s must be positive")

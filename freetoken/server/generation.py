@@ -22,6 +22,7 @@ from freetoken.scheduler.async_engine import EngineFailure
 from freetoken.server.debug_script import follow_prompt
 from freetoken.server.errors import HTTPError
 from freetoken.server.reasoning import ReasoningParser
+from freetoken.server.structured import place, tool_call_grammar
 from freetoken.server.toolcalls import HarmonyParser, make_tool_parser
 from freetoken.server.tools import Event
 
@@ -68,6 +69,15 @@ def build_prompt(ctx, req: ChatRequest) -> Prompt:
     forced = _forced_call(req.tool_choice, meta, tools) if tools else ""
     if forced and in_reasoning and not prefix:       # a forced call skips the thinking
         prefix = "<|end|><|start|>assistant" if meta.harmony else "\n" + meta.think_end + "\n\n"
+    strict = tool_call_grammar(tools, req.tool_choice, tok, bool(forced)) \
+        if tools and meta.tool_format == "hermes" else None
+    if req.params.structured_outputs is not None and not forced:
+        req.params.structured_outputs = place(req.params.structured_outputs, meta, text, prefix)
+    if strict is not None or forced:   # the answer is a tool call, not what response_format describes
+        # A forced call starts the answer (no thinking, as with the header in the prompt); in
+        # free text a strict call's grammar starts at the model's own <tool_call>.
+        req.params.structured_outputs = strict if forced else place(strict, meta, text, prefix)
+        forced = "" if strict is not None else forced    # a strict call's grammar writes its header
     prefix += forced
     if meta.markers_are_special:
         req.params.skip_special_tokens = False
@@ -198,6 +208,7 @@ class Generation:
         self.token_ids: list[int] = []
         self.logprobs: list = []
         self.prefill: dict | None = None
+        self.prompt_logprobs: list | None = None   # with params.prompt_logprobs
         self._pending = parser.feed(prefix) if prefix else []
 
     async def steps(self, ping_s: float | None = None):
@@ -256,6 +267,8 @@ class Generation:
         self.token_ids.extend(d.new_token_ids)
         self.logprobs.extend(d.logprobs or [])
         self.prefill = d.prefill or self.prefill
+        if getattr(d, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if was_reasoning or any(e.kind == "reasoning" for e in events):
             self.num_reasoning_tokens += len(d.new_token_ids)
         for e in events:
@@ -280,7 +293,32 @@ class Generation:
 
 def start_generation(ctx, req: ChatRequest) -> tuple[Generation, Prompt]:
     """Render, submit and return the running Generation (HTTPError 400 if it cannot run)."""
+    gens, prompt = start_generations(ctx, req, 1)
+    return gens[0], prompt
+
+
+def start_generations(ctx, req: ChatRequest, n: int) -> tuple[list[Generation], Prompt]:
+    """n samples of one chat request (one render; seed + j for sample j when seeded)."""
     prompt = build_prompt(ctx, req)
+    gens: list[Generation] = []
+    try:
+        for j in range(n):
+            params = req.params if n == 1 else sample_params(req.params, j)
+            gens.append(_submit(ctx, req, prompt, params))
+    except BaseException:
+        for g in gens:
+            g.stream.abort()
+        raise
+    return gens, prompt
+
+
+def sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Sample j's params: a copy, its seed offset by j so seeded samples differ."""
+    seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
+    return dataclasses.replace(params, seed=seed)
+
+
+def _submit(ctx, req: ChatRequest, prompt: Prompt, params: SamplingParams) -> Generation:
     forced = None
     if ctx.script is not None:
         scripted = ctx.script.lookup(req.messages)
@@ -288,7 +326,7 @@ def start_generation(ctx, req: ChatRequest) -> tuple[Generation, Prompt]:
             text = follow_prompt(scripted, ctx.meta, prompt.text, prompt.prefix)
             eos = ctx.tokenizer.eos_token_id
             forced = ctx.tokenizer.encode(text) + ([eos] if eos is not None else [])
-    stream = ctx.submit(prompt.token_ids, req.params, forced)
+    stream = ctx.submit(prompt.token_ids, params, forced)
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     parser = OutputParser(ctx.meta, prompt.in_reasoning, tools, prompt.text)
-    return Generation(stream, parser, prompt.prefix), prompt
+    return Generation(stream, parser, prompt.prefix)

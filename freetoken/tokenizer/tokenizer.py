@@ -10,6 +10,7 @@ clean_up_tokenization_spaces is not applied: transformers v5 skips it for BPE mo
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -100,6 +101,41 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (logprobs report them): part of a UTF-8 character for a
+        byte-level token that splits one, where decode() would give U+FFFD. Byte-level BPE maps
+        its alphabet back to bytes, SentencePiece's <0xNN> and "▁" are a byte and a space;
+        added tokens and other vocabularies are their text's UTF-8."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        kind = self._decoder_kind
+        if kind == "ByteLevel":
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        elif kind == "sentencepiece":
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _decoder_kind(self) -> str | None:
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+        if "ByteLevel" in kinds:
+            return "ByteLevel"
+        if "ByteFallback" in kinds or "Metaspace" in kinds:
+            return "sentencepiece"
+        return None
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_id_set
 
@@ -171,6 +207,21 @@ class Tokenizer:
                            add_generation_prompt=add_generation_prompt, **context)
         # The template writes the special tokens itself: none are added around the prompt.
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of bytes_to_unicode)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def _token_str(value) -> str | None:

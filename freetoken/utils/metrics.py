@@ -29,11 +29,15 @@ def _labels(labels: dict) -> str:
 
 
 class Counter:
-    """A counter we increment, or (fn) one another component keeps, read at scrape time."""
+    """A counter we increment, or (fn) one another component keeps, read at scrape time.
+    `name` is without the `_total` suffix, which the family (HELP/TYPE) and samples carry."""
     kind = "counter"
 
     def __init__(self, name: str, help: str, fn: Callable[[], float] | None = None):
+        if name.endswith("_total"):
+            raise ValueError(f"counter {name!r}: give the name without _total")
         self.name, self.help, self.fn = name, help, fn
+        self.family = name + "_total"
         self.values: dict[tuple, float] = {}
 
     def inc(self, amount: float = 1.0, **labels) -> None:
@@ -53,6 +57,7 @@ class Gauge:
 
     def __init__(self, name: str, help: str, fn: Callable[[], float] | None = None):
         self.name, self.help, self.fn = name, help, fn
+        self.family = name
         self.value = 0.0
 
     def set(self, value: float) -> None:
@@ -67,6 +72,7 @@ class Histogram:
 
     def __init__(self, name: str, help: str, buckets=LATENCY_BUCKETS):
         self.name, self.help = name, help
+        self.family = name
         self.buckets = tuple(buckets)
         self.counts = [0] * (len(self.buckets) + 1)
         self.sum = 0.0
@@ -97,8 +103,10 @@ class Registry:
     def render(self) -> bytes:
         lines = []
         for m in self.metrics:
-            lines.append(f"# HELP {m.name} {m.help}")
-            lines.append(f"# TYPE {m.name} {m.kind}")
+            # The family is named as its samples are (a counter's with _total), so Prometheus'
+            # parsers attach the samples to it.
+            lines.append(f"# HELP {m.family} {m.help}")
+            lines.append(f"# TYPE {m.family} {m.kind}")
             for name, labels, value in m.samples():
                 lines.append(f"{name}{_labels(labels)} {_fmt(value)}")
         return ("\n".join(lines) + "\n").encode()

@@ -78,7 +78,7 @@ class Request:
     """One parsed request. `headers` keys are lowercase; repeated fields are joined with ", "."""
 
     __slots__ = ("method", "path", "query_string", "headers", "body", "client", "http_version",
-                 "keep_alive", "_query", "_json")
+                 "keep_alive", "path_rest", "_query", "_json")
 
     def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str],
                  body: bytes, client: tuple[str, int] | None, http_version: str = "1.1",
@@ -91,6 +91,7 @@ class Request:
         self.client = client
         self.http_version = http_version
         self.keep_alive = keep_alive
+        self.path_rest = ""                    # what a {name:path} route matched
         self._query: dict[str, str] | None = None
         self._json = _UNSET
 
@@ -104,6 +105,10 @@ class Request:
     def json(self) -> dict:
         """The body as a JSON object; HTTPError 400 for an empty, malformed or non-object body."""
         if self._json is _UNSET:
+            encoding = self.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise HTTPError(415, f"Content-Encoding {encoding!r} is not supported: send the JSON "
+                                     f"body uncompressed", type="invalid_request_error")
             if not self.body.strip():
                 raise HTTPError(400, "request body is empty; expected a JSON object",
                                 type="invalid_request_error")
@@ -126,12 +131,14 @@ class Response:
     """The answer to one request; created by the protocol, one per request cycle."""
 
     __slots__ = ("_conn", "dialect", "keep_alive", "status", "started", "streaming", "finished",
-                 "_http_11", "_chunked", "_callbacks", "_waiter")
+                 "head_only", "extra_headers", "_http_11", "_chunked", "_callbacks", "_waiter")
 
     def __init__(self, conn: HttpProtocol, request: Request | None, dialect: str = "openai"):
         # request=None: a protocol-level error answer (400/413/431) that closes the connection.
         self._conn = conn
         self.dialect = dialect                 # error shape; the router sets the route's
+        self.head_only = False                 # HEAD: headers (with the GET's length), no body
+        self.extra_headers: dict[str, str] | None = None   # on every answer (CORS)
         self.keep_alive = request is not None and request.keep_alive   # False: send `connection: close`
         self.status: int | None = None
         self.started = False                   # headers written (or would have been)
@@ -189,7 +196,8 @@ class Response:
                 parts = self._head(status, content_type, headers)
                 parts.append(b"content-length: %d\r\n" % len(body))
             parts.append(b"\r\n")
-            parts.append(body)
+            if not self.head_only:
+                parts.append(body)
             self._conn.write(b"".join(parts))
         self._finish()
 
@@ -260,8 +268,8 @@ class Response:
             parts.append(_CLOSE)
         elif not self._http_11:
             parts.append(_KEEP_ALIVE)
-        if headers:
-            for name, value in headers.items():
+        for extra in (self.extra_headers, headers):
+            for name, value in (extra or {}).items():
                 parts.append(_header_line(name, value))
         return parts
 

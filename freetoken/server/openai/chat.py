@@ -7,14 +7,16 @@ fragments), with finish_reason "tool_calls" when the model stopped to call tools
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
-from freetoken.server.generation import ChatRequest, start_generation
+from freetoken.server.generation import ChatRequest, start_generations
 from freetoken.server.http import SSE_DONE, SSE_PING, sse_event
 from freetoken.server.model_meta import EFFORTS
 from freetoken.server.openai.params import bad, get_dict, parse_generation
-from freetoken.server.openai.stream import logprobs_chat, usage
+from freetoken.server.openai.stream import (is_shutdown, logprobs_chat, prompt_logprobs_vllm, stream_error,
+                                            stream_many, usage)
 from freetoken.server.tools import check_tool_choice, check_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -65,6 +67,13 @@ def parse_effort(value, param: str) -> str | None:
     raise bad(param, f"'{param}' must be one of {', '.join(EFFORTS)}; got {value!r}")
 
 
+def check_effort(meta, effort: str | None, param: str) -> None:
+    """A reasoning model takes the efforts /v1/models lists for it; another (no thinking to
+    switch) any known value, as a no-op."""
+    if effort is not None and meta.reasoning and effort not in meta.efforts:
+        raise bad(param, f"'{param}' must be one of {', '.join(meta.efforts)} for this model; got {effort!r}")
+
+
 def _tool_choice(body: dict, tools):
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict):
@@ -113,50 +122,61 @@ async def chat_completions(ctx, request, response) -> None:
     body = request.json()
     model = ctx.check_model(body)
     req, opts = parse_chat_request(body)
-    gen, _ = start_generation(ctx, req)
-    response.on_disconnect(gen.stream.abort)
+    check_effort(ctx.meta, req.effort, "reasoning_effort")
+    gens, prompt = start_generations(ctx, req, opts.n)
+    response.on_disconnect(lambda: [g.stream.abort() for g in gens])
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if opts.stream:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        await _stream(ctx, gen, opts, response, base)
+        await _stream(ctx, gens, opts, response, base)
         return
-    await gen.collect()
-    choice = {"index": 0, "message": _message(gen),
-              "logprobs": logprobs_chat(ctx.tokenizer, gen) if opts.params.logprobs is not None else None,
-              "finish_reason": gen.finish_reason}
-    response.send_json(200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                             "choices": [choice],
-                             "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill)})
+    try:
+        await asyncio.gather(*(g.collect() for g in gens))
+    finally:
+        for g in gens:
+            if not g.stream.finished:
+                g.stream.abort()
+    choices = [{"index": j, "message": _message(gen),
+                "logprobs": logprobs_chat(ctx.tokenizer, gen) if opts.params.logprobs is not None else None,
+                "finish_reason": gen.finish_reason} for j, gen in enumerate(gens)]
+    out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+           "choices": choices, "usage": _usage(gens)}
+    if opts.params.prompt_logprobs is not None:   # vLLM's field
+        out["prompt_logprobs"] = prompt_logprobs_vllm(ctx.tokenizer, prompt.token_ids, gens[0].prompt_logprobs)
+    response.send_json(200, out)
 
 
-async def _stream(ctx, gen, opts, response, base: dict) -> None:
+def _usage(gens) -> dict:
+    """The prompt counted once, every sample's completion tokens (as OpenAI counts n > 1)."""
+    return usage(gens[0].num_prompt_tokens, sum(g.num_output_tokens for g in gens), gens[0].prefill)
+
+
+async def _stream(ctx, gens, opts, response, base: dict) -> None:
     extra = {"usage": None} if opts.include_usage else {}
     want_lp = opts.params.logprobs is not None
 
-    def chunk(delta: dict, finish=None, logprobs=None) -> bytes:
-        return sse_event({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+    def chunk(j: int, delta: dict, finish=None, logprobs=None) -> bytes:
+        return sse_event({**base, "choices": [{"index": j, "delta": delta, "logprobs": logprobs,
                                                "finish_reason": finish}], **extra})
 
-    def render(step) -> bytes:
+    def render(j, step) -> bytes:
         d = step.delta
         lp = logprobs_chat(ctx.tokenizer, d) if want_lp and d.logprobs else None
         deltas = [x for x in map(event_delta, step.events) if x is not None]
         if lp is not None and not deltas and not d.finished:
             deltas = [{"content": ""}]
-        out = b"".join(chunk(x, logprobs=lp if i == 0 else None) for i, x in enumerate(deltas))
-        return out + chunk({}, finish=gen.finish_reason) if d.finished else out
+        out = b"".join(chunk(j, x, logprobs=lp if i == 0 else None) for i, x in enumerate(deltas))
+        return out + chunk(j, {}, finish=gens[j].finish_reason) if d.finished else out
 
-    def error(e: Exception) -> bytes:
-        return sse_event({"error": {"message": str(e), "type": "server_error", "param": None,
-                                    "code": None}})
+    def error(e: Exception) -> bytes:   # cut by shutdown: the error event, then the terminator
+        return stream_error(e) + (SSE_DONE if is_shutdown(e) else b"")
 
     response.start_stream()
-    await response.write(chunk({"role": "assistant", "content": ""}))
-    if not await gen.stream_to(response, ctx.server_config.ping_interval_s, SSE_PING, render, error):
+    await response.write(b"".join(chunk(j, {"role": "assistant", "content": ""}) for j in range(len(gens))))
+    if not await stream_many(gens, response, ctx.server_config.ping_interval_s, SSE_PING, render, error):
         return
     tail = b""
     if opts.include_usage:
-        tail += sse_event({**base, "choices": [],
-                           "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill)})
+        tail += sse_event({**base, "choices": [], "usage": _usage(gens)})
     await response.write(tail + SSE_DONE)
     response.end_stream()

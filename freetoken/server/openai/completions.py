@@ -1,78 +1,171 @@
-"""POST /v1/completions: a text or token-id prompt, no chat template."""
+"""POST /v1/completions: text or token-id prompts, no chat template.
+
+`prompt` is a string, a list of token ids, or a batch (a list of either): one choice per prompt
+and sample, at index prompt_index * n + j, as OpenAI numbers them. `echo` puts the prompt in
+front of the text, and with `logprobs` its tokens' logprobs first (the first token's is None),
+as lm-eval's loglikelihood tasks read them. vLLM's `prompt_logprobs` comes back per choice.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import uuid
 
-from freetoken.server.http import SSE_DONE, sse_event
+from freetoken.server.errors import HTTPError
+from freetoken.server.generation import sample_params
+from freetoken.server.http import SSE_DONE, SSE_PING, sse_event
 from freetoken.server.openai.params import bad, get_bool, parse_generation
-from freetoken.server.openai.stream import collect, logprobs_completion, usage
+from freetoken.server.openai.stream import (collect, logprobs_completion, prompt_logprobs_vllm,
+                                            is_shutdown, stream_error, stream_many, usage)
+
+MAX_PROMPTS = 256
 
 
-def parse_prompt(ctx, body: dict) -> list[int]:
+def _is_ids(p) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def parse_prompts(ctx, body: dict) -> list[list[int]]:
+    """Each prompt's token ids."""
     prompt = body.get("prompt")
-    # A batch of one is accepted in either spelling: ["text"] or [[ids]].
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt", "'prompt' is empty")
-        return ctx.tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise bad("prompt", "one prompt per request: send several requests to batch")
-    raise bad("prompt", "'prompt' must be a string or a list of token ids")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt", "'prompt' must be a string, a list of token ids, or a list of either")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+    out = []
+    for i, p in enumerate(prompt):
+        where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt", f"'{where}' is empty")
+            out.append(ctx.tokenizer.encode(p))
+        elif _is_ids(p):
+            out.append(p)
+        else:
+            raise bad("prompt", f"'{where}' must be a string or a non-empty list of token ids")
+    return out
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    stream: object             # RequestStream
+    offset: int = 0            # characters of text sent so far (text_offset)
+    started: bool = False
+
+    async def steps(self):     # what stream_many pumps
+        async for d in self.stream:
+            yield _Step(d)
+
+
+@dataclasses.dataclass
+class _Step:
+    delta: object
+
+
+def _submit_all(ctx, prompts: list[list[int]], params, n: int) -> list[Choice]:
+    choices: list[Choice] = []
+    try:
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                p = params if len(prompts) * n == 1 else sample_params(params, j)
+                try:
+                    stream = ctx.submit(ids, p)
+                except HTTPError as e:   # the engine's context check names the chat field
+                    if e.param == "messages":
+                        e.param = "prompt"
+                    raise
+                choices.append(Choice(i * n + j, ids, stream))
+    except BaseException:
+        for c in choices:
+            c.stream.abort()
+        raise
+    return choices
 
 
 async def completions(ctx, request, response) -> None:
     body = request.json()
     model = ctx.check_model(body)
-    if get_bool(body, "echo", False):
-        raise bad("echo", "'echo' is not supported")
     if body.get("suffix"):
         raise bad("suffix", "'suffix' is not supported")
-    prompt_ids = parse_prompt(ctx, body)
+    echo = get_bool(body, "echo", False)
+    prompts = parse_prompts(ctx, body)
     opts = parse_generation(body, chat=False)
-    stream = ctx.submit(prompt_ids, opts.params)
-    response.on_disconnect(stream.abort)
+    params = opts.params
+    want_lp = params.logprobs is not None
+    if echo and want_lp and params.prompt_logprobs is None:
+        params.prompt_logprobs = params.logprobs
+    choices = _submit_all(ctx, prompts, params, opts.n)
+    response.on_disconnect(lambda: [c.stream.abort() for c in choices])
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    want_lp = opts.params.logprobs is not None
+    tok = ctx.tokenizer
+    vllm_prompt_lps = body.get("prompt_logprobs") is not None
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    def echo_part(c: Choice, prompt_lps) -> tuple[str, dict | None]:
+        text = tok.decode(c.prompt_ids, skip_special_tokens=False)
+        lp = None
+        if want_lp:
+            entries = [None if e is None else e[:2] for e in (prompt_lps or [None] * len(c.prompt_ids))]
+            lp = logprobs_completion(tok, c.prompt_ids, entries, 0)
+        return text, lp
+
     if not opts.stream:
-        r = await collect(stream)
-        lp = logprobs_completion(ctx.tokenizer, r.token_ids, r.logprobs, 0) if want_lp else None
+        results = await asyncio.gather(*(collect(c.stream) for c in choices))
+        out = []
+        for c, r in zip(choices, results):
+            text, lp = "", None
+            if echo:
+                text, lp = echo_part(c, r.prompt_logprobs)
+            if want_lp:
+                gen_lp = logprobs_completion(tok, r.token_ids, r.logprobs, len(text))
+                lp = gen_lp if lp is None else {k: lp[k] + gen_lp[k] for k in lp}
+            choice = {"index": c.index, "text": text + r.text, "logprobs": lp, "finish_reason": r.finish_reason}
+            if vllm_prompt_lps:
+                choice["prompt_logprobs"] = prompt_logprobs_vllm(tok, c.prompt_ids, r.prompt_logprobs)
+            out.append(choice)
         response.send_json(200, {
-            "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}],
-            "usage": usage(stream.num_prompt_tokens, r.num_output_tokens, r.prefill)})
+            "id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
+            "usage": usage(prompt_tokens, sum(r.num_output_tokens for r in results), results[0].prefill)})
         return
 
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     extra = {"usage": None} if opts.include_usage else {}
+    totals = {"out": [0] * len(choices), "prefill": None}
+
+    def render(k: int, step) -> bytes:
+        c, d = choices[k], step.delta
+        totals["out"][k] = d.num_output_tokens
+        totals["prefill"] = d.prefill or totals["prefill"]
+        text, lp = "", None
+        if echo and not c.started:
+            text, lp = echo_part(c, d.prompt_logprobs)
+        c.started = True
+        if want_lp and d.logprobs:
+            gen_lp = logprobs_completion(tok, d.new_token_ids, d.logprobs, c.offset + len(text))
+            lp = gen_lp if lp is None else {key: lp[key] + gen_lp[key] for key in lp}
+        text += d.text
+        c.offset += len(text)
+        if not (text or d.finished or lp):
+            return b""
+        choice = {"index": c.index, "text": text, "logprobs": lp,
+                  "finish_reason": d.finish_reason if d.finished else None}
+        if vllm_prompt_lps and d.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_vllm(tok, c.prompt_ids, d.prompt_logprobs)
+        return sse_event({**base, "choices": [choice], **extra})
+
+    def error(e: Exception) -> bytes:   # cut by shutdown: the error event, then the terminator
+        return stream_error(e) + (SSE_DONE if is_shutdown(e) else b"")
+
     response.start_stream()
-    n_out, offset, prefill = 0, 0, None
-    try:
-        async for d in stream:
-            n_out = d.num_output_tokens
-            prefill = d.prefill or prefill
-            lp = None
-            if want_lp and d.logprobs:
-                lp = logprobs_completion(ctx.tokenizer, d.new_token_ids, d.logprobs, offset)
-            offset += len(d.text)
-            if d.text or d.finished or lp:
-                await response.write(sse_event({**base, "choices": [{
-                    "index": 0, "text": d.text, "logprobs": lp,
-                    "finish_reason": d.finish_reason if d.finished else None}], **extra}))
-            if response.disconnected:
-                stream.abort()
-                return
-    except Exception as e:   # the engine failed mid-stream: say so and end the stream
-        await response.write(sse_event({"error": {"message": str(e), "type": "server_error",
-                                                  "param": None, "code": None}}))
-        response.end_stream()
+    if not await stream_many(choices, response, ctx.server_config.ping_interval_s, SSE_PING, render, error):
         return
-    tail = sse_event({**base, "choices": [], "usage": usage(stream.num_prompt_tokens, n_out, prefill)}) \
+    tail = sse_event({**base, "choices": [], "usage": usage(prompt_tokens, sum(totals["out"]), totals["prefill"])}) \
         if opts.include_usage else b""
     await response.write(tail + SSE_DONE)
     response.end_stream()

@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 from freetoken.engine.sampling_params import SamplingParams
+from freetoken.server import structured
 from freetoken.server.errors import HTTPError
+
+MAX_N = 16      # samples per prompt: each is its own engine request
 
 _MISSING = object()
 
@@ -38,6 +41,14 @@ def get_int(body: dict, name: str, default, lo: int, hi: int | None = None):
     if value < lo or (hi is not None and value > hi):
         raise bad(name, f"'{name}' must be {'>= ' + str(lo) if hi is None else f'between {lo} and {hi}'}, got {value}")
     return value
+
+
+def get_seed(body: dict) -> int | None:
+    """seed: a 64-bit integer; a number outside that range (1e23, 2**64) says so."""
+    value = body.get("seed")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        raise bad("seed", f"'seed' is out of range: it must be an integer in [-2**63, 2**63 - 1], got {value}")
+    return get_int(body, "seed", None, -(2**63), 2**63 - 1)
 
 
 def get_bool(body: dict, name: str, default: bool) -> bool:
@@ -90,20 +101,21 @@ class GenerationOptions:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1
 
 
 def parse_generation(body: dict, *, chat: bool) -> GenerationOptions:
     """The fields chat and completions share (plus vLLM's extra sampling parameters)."""
-    n = get_int(body, "n", 1, 1)
-    if n != 1:
-        raise bad("n", "only n=1 is supported")
-    if get_int(body, "best_of", 1, 1) != 1:
-        raise bad("best_of", "only best_of=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if get_number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise bad(name, f"'{name}' is not supported; leave it at 0")
-    if get_number(body, "repetition_penalty", 1.0, 0.0, 10.0) != 1.0:
-        raise bad("repetition_penalty", "'repetition_penalty' is not supported; leave it at 1")
+    n = get_int(body, "n", 1, 1, MAX_N)
+    best_of = get_int(body, "best_of", None, 1)
+    if best_of is not None and best_of not in (1, n):
+        raise bad("best_of", f"'best_of' ({best_of}) other than n is not supported: every sample is "
+                             f"returned; ask for n={best_of} and rank them yourself")
+    penalties = {name: get_number(body, name, 0.0, -2.0, 2.0)
+                 for name in ("presence_penalty", "frequency_penalty")}
+    penalties["repetition_penalty"] = get_number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if penalties["repetition_penalty"] <= 0:
+        raise bad("repetition_penalty", "'repetition_penalty' must be above 0 (1: off)")
     max_tokens = get_int(body, "max_completion_tokens", None, 1) if chat else None
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, 1)
@@ -133,10 +145,12 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationOptions:
     if stream_options and not stream:
         raise bad("stream_options", "'stream_options' is only allowed with 'stream': true")
     params = sampling_params(
-        max_tokens=max_tokens,
+        max_tokens=max_tokens, **penalties, logit_bias=logit_bias(body),
+        prompt_logprobs=get_int(body, "prompt_logprobs", None, 0, 20),
+        structured_outputs=structured.from_body(body),
         **sampling_fields(body, max_temperature=2.0),
         min_p=get_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=get_int(body, "seed", None, -(2**63), 2**63 - 1),
+        seed=get_seed(body),
         stop=stop, stop_token_ids=stop_ids,
         ignore_eos=get_bool(body, "ignore_eos", False),
         min_tokens=get_int(body, "min_tokens", 0, 0),
@@ -144,4 +158,23 @@ def parse_generation(body: dict, *, chat: bool) -> GenerationOptions:
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
     )
-    return GenerationOptions(params, stream, include_usage)
+    return GenerationOptions(params, stream, include_usage, n)
+
+
+def logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (JSON keys are strings)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("logit_bias", "'logit_bias' must map token ids to biases")
+    out = {}
+    for k, v in value.items():
+        try:
+            token = int(k)
+        except (TypeError, ValueError):
+            raise bad("logit_bias", f"'logit_bias' keys must be token ids, got {k!r}") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise bad("logit_bias", f"'logit_bias' values must be numbers in [-100, 100], got {v!r} for {k}")
+        out[token] = float(v)
+    return out or None

@@ -18,7 +18,8 @@ import uuid
 
 from freetoken.server.generation import start_generation
 from freetoken.server.http import SSE_PING, sse_event
-from freetoken.server.openai.chat import parse_effort
+from freetoken.server.openai.chat import check_effort, parse_effort
+from freetoken.server.openai.stream import is_shutdown
 from freetoken.server.openai.responses_input import parse_responses_body
 
 _TEXT = {"message": ("output_text", "response.output_text"),
@@ -117,7 +118,7 @@ def _response(body: dict, rid: str, model: str, created: float, status: str, out
         "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
         "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "reasoning": {"effort": reasoning.get("effort"), "summary": None},
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+        "text": {"format": _text_format(body)}, "truncation": "disabled", "store": False,
         "usage": None,
     }
     if status == "incomplete":
@@ -133,10 +134,17 @@ def _response(body: dict, rid: str, model: str, created: float, status: str, out
     return out
 
 
+def _text_format(body: dict) -> dict:
+    text = body.get("text") if isinstance(body.get("text"), dict) else {}
+    fmt = text.get("format")
+    return fmt if isinstance(fmt, dict) and fmt.get("type") else {"type": "text"}
+
+
 async def responses(ctx, request, response) -> None:
     body = request.json()
     model = ctx.check_model(body)
     req, stream = parse_responses_body(body, parse_effort)
+    check_effort(ctx.meta, req.effort, "reasoning.effort")
     gen, _ = start_generation(ctx, req)
     response.on_disconnect(gen.stream.abort)
     rid, created = f"resp_{uuid.uuid4().hex}", time.time()
@@ -158,10 +166,16 @@ async def responses(ctx, request, response) -> None:
     start = _response(body, rid, model, created, "in_progress", [])
     await response.write(events([{"type": "response.created", "response": start},
                                  {"type": "response.in_progress", "response": start}]))
-    if not await gen.stream_to(
-            response, ctx.server_config.ping_interval_s, SSE_PING,
-            lambda step: events(builder.feed(step.events)),
-            lambda e: events([{"type": "error", "code": "server_error", "message": str(e), "param": None}])):
+    def error(e: Exception) -> bytes:
+        out = [{"type": "error", "code": "server_error", "message": str(e), "param": None}]
+        if is_shutdown(e):   # cut by shutdown: the stream still ends with its terminator
+            failed = _response(body, rid, model, created, "failed", builder.output, gen)
+            out.append({"type": "response.failed",
+                        "response": {**failed, "error": {"code": "server_error", "message": str(e)}}})
+        return events(out)
+
+    if not await gen.stream_to(response, ctx.server_config.ping_interval_s, SSE_PING,
+                               lambda step: events(builder.feed(step.events)), error):
         return
     status = "incomplete" if gen.finish_reason == "length" else "completed"
     tail = builder.close(status)

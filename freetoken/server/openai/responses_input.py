@@ -10,8 +10,9 @@ become `tool` messages, as a chat template expects them.
 from __future__ import annotations
 
 from freetoken.server.generation import ChatRequest
-from freetoken.server.openai.params import (bad, get_bool, get_dict, get_int, map_list,
+from freetoken.server.openai.params import (bad, get_bool, get_dict, get_int, get_seed, map_list,
                                             sampling_fields, sampling_params)
+from freetoken.server.structured import from_text_format
 from freetoken.server.tools import check_tool_choice, check_tools
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -28,14 +29,13 @@ def parse_responses_body(body: dict, parse_effort) -> tuple[ChatRequest, bool]:
         raise bad("background", "'background' is not supported")
     text_cfg = get_dict(body, "text")
     fmt = get_dict(text_cfg, "format")
-    if fmt and fmt.get("type") != "text":
-        raise bad("text.format", "only the 'text' format is supported")
     messages = input_messages(body.get("input"), body.get("instructions"))
     tools = check_tools(_chat_tools(body.get("tools")))
     reasoning = get_dict(body, "reasoning")
     params = sampling_params(max_tokens=get_int(body, "max_output_tokens", None, 1),
                              **sampling_fields(body, max_temperature=2.0),
-                             seed=get_int(body, "seed", None, -(2**63), 2**63 - 1))
+                             seed=get_seed(body),
+                             structured_outputs=from_text_format(fmt) if fmt else None)
     req = ChatRequest(messages, params, tools, _tool_choice(body.get("tool_choice", "auto"), tools),
                       parse_effort(reasoning.get("effort"), "reasoning.effort"),
                       get_dict(body, "chat_template_kwargs"))
