@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prefill-length", type=_positive_int, default=2048, metavar="N",
                    help="tokens computed per step: longer prompts are prefilled in chunks")
     s.add_argument("--max-running-requests", type=_positive_int, default=64, metavar="N")
+    s.add_argument("--max-step-time-ms", type=float, default=1000.0, metavar="MS",
+                   help="shorten prefill chunks so a step (and so every running stream's gap "
+                        "between tokens) takes about this long; 0: chunks of --max-prefill-length")
     s.add_argument("--kv-cache-tokens", type=_positive_int, metavar="N",
                    help="KV cache size in tokens (default: from free memory)")
     s.add_argument("--cpu-threads", type=_positive_int, metavar="N",
@@ -208,6 +211,7 @@ def serve(args) -> int:
                               max_model_len=args.max_seq_len_override,
                               kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args))
         scheduler = SchedulerConfig(max_prefill_length=args.max_prefill_length,
+                                    max_step_time_s=args.max_step_time_ms / 1e3 or None,
                                     max_running_requests=args.max_running_requests)
     except ValueError as e:
         raise SystemExit(f"ft serve: {e}") from None

@@ -26,23 +26,24 @@ def server(tmp_path_factory):
 
 
 class FailOnce:
-    """Stands in for EngineCore.step: the real step, except that call number `at` raises."""
+    """Stands in for EngineCore.run_step (the forward and sampler, on the engine thread): the
+    real one, except that call number `at` raises."""
 
     def __init__(self, core, at: int):
-        self.core, self.real, self.at, self.calls = core, core.step, at, 0
+        self.core, self.real, self.at, self.calls = core, core.run_step, at, 0
 
-    def __call__(self):
+    def __call__(self, plan):
         self.calls += 1
         if self.calls == self.at:
-            self.core.step = self.real
+            self.core.run_step = self.real
             raise RuntimeError("injected fault")
-        return self.real()
+        return self.real(plan)
 
 
 def inject(server, at: int = 3) -> FailOnce:
     core = server.app.engine.core
-    core.step = FailOnce(core, at)
-    return core.step
+    core.run_step = FailOnce(core, at)
+    return core.run_step
 
 
 def kv_in_use(server) -> int:

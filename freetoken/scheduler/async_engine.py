@@ -1,15 +1,20 @@
 """AsyncEngine: the continuous-batching loop as a task on the server's event loop.
 
-Requests are submitted from HTTP handlers and get a RequestStream to iterate. The loop runs
-EngineCore.step() while there is work, hands each request its deltas, and yields to the
-event loop after every step so sockets are served between forwards. When idle it sleeps on
-an event that submit() sets. A failing step fails the requests it carried, not the server.
+Requests are submitted from HTTP handlers and get a RequestStream to iterate. While there is
+work the loop plans a step (EngineCore.plan_step: schedule, chunks, sampling rows), awaits its
+forward and sampler on the engine thread (run_step), and finishes it (finish_step: tokens,
+stop checks, text), then hands each request its deltas. The event loop keeps accepting,
+parsing, answering /health and writing SSE while a forward computes (torch releases the GIL
+in its kernels); only the loop's thread touches request state: an abort that arrives during
+a forward is applied once it returns. When idle it sleeps on an event that submit() sets. A
+failing step fails the requests it carried, not the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 
@@ -73,6 +78,23 @@ class AsyncEngine:
         self._stopping = False
         self.metrics = EngineMetrics(core)
         self.recent: collections.deque = collections.deque(maxlen=32)  # finished, for /v1/stats
+        # One thread runs every forward: CUDA's current device and streams are per thread.
+        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ft-engine", initializer=self._init_engine_thread)
+        self._in_step = False
+        self._deferred_aborts: list[tuple[str, RequestStream]] = []
+
+    def _init_engine_thread(self) -> None:
+        device = self.core.runner.device
+        if device.type == "cuda":
+            import torch
+            torch.cuda.set_device(device)
+
+    def _run_step(self, plan):
+        result = self.core.run_step(plan)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)   # debug: a slow forward
+        return result
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-loop")
@@ -89,8 +111,16 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         stream = self.streams.pop(request_id, None)
-        if self.core.abort(request_id) and stream is not None:
+        if self._in_step:        # its forward may be running: drop it once the step is done
+            self._deferred_aborts.append((request_id, stream))
+        elif self.core.abort(request_id) and stream is not None:
             self._aborted(stream)
+
+    def _apply_deferred_aborts(self) -> None:
+        aborts, self._deferred_aborts = self._deferred_aborts, []
+        for request_id, stream in aborts:
+            if self.core.abort(request_id) and stream is not None:
+                self._aborted(stream)
 
     def _aborted(self, stream: RequestStream) -> None:
         """An aborted request is counted, logged and listed in /v1/stats like a finished one."""
@@ -109,6 +139,7 @@ class AsyncEngine:
         return len(self.core.scheduler.waiting)
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while not self._stopping:
             if not self.core.has_work:
                 self._wake.clear()
@@ -116,15 +147,30 @@ class AsyncEngine:
                 continue
             try:
                 t0 = time.perf_counter()
-                deltas = self.core.step()
-                if self.step_delay_s:
-                    time.sleep(self.step_delay_s)   # debug: a stalled engine blocks the loop
+                plan = self.core.plan_step()
+                deltas = []
+                if plan is not None:
+                    self._in_step = True
+                    try:
+                        result = await loop.run_in_executor(self._engine_thread, self._run_step, plan)
+                    finally:
+                        self._in_step = False
+                    deltas = self.core.finish_step(plan, result)
+                    budget = self.core.scheduler.step_budget
+                    if budget is not None:
+                        budget.observe(sum(c.num_tokens for c in plan.scheduled),
+                                       time.perf_counter() - t0)
+                        log.debug("step: %d tokens of %d requests in %.3f s; next chunk %d",
+                                  sum(c.num_tokens for c in plan.scheduled), len(plan.scheduled),
+                                  time.perf_counter() - t0, budget.chunk)
                 self.metrics.on_step(time.perf_counter() - t0)
             except Exception as e:   # noqa: BLE001 - one bad step must not kill the server
                 log.exception("engine step failed; failing the requests it carried")
+                self._apply_deferred_aborts()
                 self._fail_all(EngineFailure(f"engine step failed: {type(e).__name__}: {e}"))
                 await asyncio.sleep(0)
                 continue
+            self._apply_deferred_aborts()
             now = time.monotonic()
             for d in deltas:
                 stream = self.streams.get(d.request_id)
@@ -135,7 +181,7 @@ class AsyncEngine:
                     if d.finished:
                         self.streams.pop(d.request_id, None)
                         self.recent.append(self._summary(stream, d))
-            await asyncio.sleep(0)   # serve sockets between forwards
+            await asyncio.sleep(0)   # serve sockets between steps
 
     @staticmethod
     def _summary(stream: RequestStream, d: RequestDelta) -> dict:
@@ -149,7 +195,9 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self.streams.items()):
-            if self.core.abort(rid):
+            if self._in_step:
+                self._deferred_aborts.append((rid, stream))
+            elif self.core.abort(rid):
                 self._aborted(stream)
             stream.queue.put_nowait(error)
         self.streams.clear()
@@ -164,3 +212,4 @@ class AsyncEngine:
         self._wake.set()
         if self._task is not None:
             await asyncio.wait([self._task], timeout=1.0)
+        self._engine_thread.shutdown(wait=False, cancel_futures=True)

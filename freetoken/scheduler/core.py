@@ -1,8 +1,10 @@
 """EngineCore: the step loop's body, shared by `LLM.generate` and `ft serve`.
 
-step() reads like its stages: schedule (which tokens of which requests) -> run (one batched
-forward) -> postprocess (sample, append, stop checks, detokenize, free finished requests).
-It is synchronous; the server calls it from its event loop between I/O.
+step() reads like its stages: plan (schedule which tokens of which requests, lay out the
+chunks and sampling rows) -> run (one batched forward and the sampler) -> finish (append,
+stop checks, detokenize, free finished requests). LLM.generate runs the three in a row; the
+server runs plan and finish on its event loop and run on the engine thread (async_engine.py),
+so only the loop's thread ever touches request state.
 """
 
 from __future__ import annotations
@@ -71,6 +73,24 @@ class RequestDelta:
     # With params.prompt_logprobs, on the first delta: per prompt token, None (the first) or
     # (logprob, [(id, logprob)] top-n).
     prompt_logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """What one step computes, fixed on the loop thread before the forward runs."""
+    scheduled: list[ScheduledChunk]
+    chunks: list[SeqChunk]
+    sampling: list[Request]          # the requests that sample, in row order
+    rows: list[SampleRow]
+    bitmask: object                  # the grammar masks of the constrained rows, or None
+    all_logits: bool                 # a request wants prompt logprobs
+    t0: float
+
+
+@dataclasses.dataclass
+class StepResult:
+    sampled: object                  # sampler.SampleResult, or None when nothing samples
+    prompt_logprobs: list            # [(request, values to append)]
 
 
 @dataclasses.dataclass
@@ -208,24 +228,52 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """One whole step on this thread (LLM.generate, warmup)."""
+        plan = self.plan_step()
+        return [] if plan is None else self.finish_step(plan, self.run_step(plan))
+
+    # The server splits the step across two threads: plan_step and finish_step touch request
+    # state and run on the event loop; run_step is the forward and the sampler, reads only
+    # the plan, and runs on the engine thread while the loop keeps serving sockets.
+    def plan_step(self) -> StepPlan | None:
+        """Schedule, lay out the chunks and build each sampling row (the loop's side)."""
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
-        chunks = [self._chunk(s) for s in scheduled]
+            return None
+        sampling = [s.request for s in scheduled if s.samples]
+        constrained = [(r.grammar, i) for i, r in enumerate(sampling)
+                       if r.grammar is not None and r.grammar.active]
         # Prompt logprobs need every position's logits (only in steps that prefill such a request).
         all_logits = any(s.request.params.prompt_logprobs is not None
                          and s.request.num_computed_tokens < s.request.num_prompt_tokens for s in scheduled)
+        return StepPlan(scheduled, [self._chunk(s) for s in scheduled], sampling,
+                        [self._sample_row(r) for r in sampling],
+                        self.grammars.fill(constrained, len(sampling)) if constrained else None,
+                        all_logits, t0)
+
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """The forward and the sampler: no request state is written here."""
         if self.prefill_timer is not None:
-            logits = self.prefill_timer.run(self.runner, chunks, scheduled, all_logits)
+            logits = self.prefill_timer.run(self.runner, plan.chunks, plan.scheduled, plan.all_logits)
         else:
-            logits = self.runner.run(chunks, all_logits=all_logits)
-        if all_logits:
-            logits = self._prompt_logprobs(scheduled, logits)
-        deltas = self._postprocess(scheduled, logits)
+            logits = self.runner.run(plan.chunks, all_logits=plan.all_logits)
+        prompt_lps = []
+        if plan.all_logits:
+            logits, prompt_lps = self._prompt_logprobs(plan.scheduled, logits)
+        sampled = sample(logits, plan.rows, plan.bitmask) if plan.rows else None
+        return StepResult(sampled, prompt_lps)
+
+    def finish_step(self, plan: StepPlan, result: StepResult) -> list[RequestDelta]:
+        """Append the sampled tokens, stop checks, text (the loop's side)."""
+        for req, values in result.prompt_logprobs:
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None]
+            req.prompt_logprobs += values
+        deltas = self._postprocess(plan.scheduled, plan.sampling, result.sampled)
         self.stats.steps += 1
-        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(scheduled))
-        self.stats.last_step_s = time.perf_counter() - t0
+        self.stats.max_batch_seqs = max(self.stats.max_batch_seqs, len(plan.scheduled))
+        self.stats.last_step_s = time.perf_counter() - plan.t0
         return deltas
 
     def _chunk(self, s: ScheduledChunk) -> SeqChunk:
@@ -234,43 +282,43 @@ class EngineCore:
         return SeqChunk(r.token_ids(start, start + s.num_tokens), start, r.block_ids, s.samples)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledChunk], logits):
-        """From a forward's logits [T, V] (every position): record the prompt logprobs of the
-        requests that ask, and return the rows that sample, as run() does without all_logits.
-        Position p's row scores prompt token p + 1; a recomputed (preempted) prompt is not
-        scored twice."""
-        rows, offset = [], 0
+        """From a forward's logits [T, V] (every position): the prompt logprobs of the requests
+        that ask, as (request, values to append), and the rows that sample, as run() returns
+        them without all_logits. Position p's row scores prompt token p + 1; a recomputed
+        (preempted) prompt is not scored twice."""
+        rows, offset, found = [], 0, []
         for s in scheduled:
             req, start = s.request, s.request.num_computed_tokens
             n = req.params.prompt_logprobs
             if n is not None and start < req.num_prompt_tokens:
-                if req.prompt_logprobs is None:
-                    req.prompt_logprobs = [None]
-                first = len(req.prompt_logprobs) - 1          # the position scoring the next one
+                first = len(req.prompt_logprobs or [None]) - 1   # the position scoring the next one
                 last = min(start + s.num_tokens, req.num_prompt_tokens - 1)   # exclusive
                 if first < last and first >= start:
                     targets = req.prompt_token_ids[first + 1:last + 1]
-                    req.prompt_logprobs += token_logprobs(
-                        logits[offset + first - start:offset + last - start], targets, n)
+                    found.append((req, token_logprobs(
+                        logits[offset + first - start:offset + last - start], targets, n)))
+                elif req.prompt_logprobs is None:
+                    found.append((req, []))
             offset += s.num_tokens
             if s.samples:
                 rows.append(offset - 1)
-        return logits[torch.tensor(rows, device=logits.device)] if rows else logits[:0]
+        sampled = logits[torch.tensor(rows, device=logits.device)] if rows else logits[:0]
+        return sampled, found
 
-    def _postprocess(self, scheduled: list[ScheduledChunk], logits) -> list[RequestDelta]:
-        sampling = [s.request for s in scheduled if s.samples]
+    def _postprocess(self, scheduled: list[ScheduledChunk], sampling: list[Request],
+                     result) -> list[RequestDelta]:
         for s in scheduled:
-            s.request.num_computed_tokens += s.num_tokens
-            if s.request.num_output_tokens == 0:
-                self.stats.prompt_tokens_computed += s.num_tokens
+            if not s.request.is_finished:      # aborted while its forward ran: nothing to add
+                s.request.num_computed_tokens += s.num_tokens
+                if s.request.num_output_tokens == 0:
+                    self.stats.prompt_tokens_computed += s.num_tokens
         if not sampling:
             return []
-        constrained = [(r.grammar, i) for i, r in enumerate(sampling)
-                       if r.grammar is not None and r.grammar.active]
-        bitmask = self.grammars.fill(constrained, len(sampling)) if constrained else None
-        result = sample(logits, [self._sample_row(r) for r in sampling], bitmask)
         deltas = []
         now = time.monotonic()
         for req, token, lp in zip(sampling, result.token_ids, result.logprobs):
+            if req.is_finished:
+                continue
             req.output_token_ids.append(token)
             if req.grammar is not None:
                 req.grammar.accept(token, req.output_token_ids)

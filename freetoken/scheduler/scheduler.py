@@ -1,7 +1,9 @@
 """Continuous batching: each step admits work under a token budget.
 
-Running requests go first, oldest first: a decode asks for one token, a request still in
-prefill for its next chunk. Then waiting requests are admitted in arrival order while the
+Running requests go first: decodes (one token each), then requests still in prefill (their
+next chunk), oldest first, so every step that carries a prefill chunk carries the running
+decodes too. The token budget is max_prefill_length, or the chunk a step time budget allows
+(step_budget.py). Then waiting requests are admitted in arrival order while the
 budget, the running-request cap and free KV blocks allow. When a running request needs a KV
 block and none is free, the newest running request is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (prompt + output so far) later.
@@ -15,6 +17,7 @@ import dataclasses
 from freetoken.engine.kv_cache import BlockAllocator
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.request import Request, RequestStatus
+from freetoken.scheduler.step_budget import StepBudget
 
 
 @dataclasses.dataclass
@@ -36,6 +39,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.step_budget = (StepBudget(config.max_step_time_s, config.max_prefill_length)
+                            if config.max_step_time_s else None)
 
     # -- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -55,10 +60,14 @@ class Scheduler:
 
     # -- one step's plan ------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.config.max_prefill_length
+        budget = (self.config.max_prefill_length if self.step_budget is None
+                  else self.step_budget.chunk)
         scheduled: list[ScheduledChunk] = []
         preempted = False
-        for req in list(self.running):
+        # Decodes first (one token each), so a long prefill never takes their place.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:

@@ -257,6 +257,10 @@ class ServingApp:
                          "bytes_per_token": runner.kv.bytes_per_token,
                          "layers": runner.kv.describe()},
             "scheduler": {"max_prefill_length": self.scheduler_config.max_prefill_length,
+                          "max_step_time_s": self.scheduler_config.max_step_time_s,
+                          "prefill_chunk": (self.engine.core.scheduler.step_budget.chunk
+                                            if self.engine.core.scheduler.step_budget else
+                                            self.scheduler_config.max_prefill_length),
                           "max_running_requests": self.scheduler_config.max_running_requests},
             "warmup": self.warmup_report,
             "chat": self.meta.describe(),

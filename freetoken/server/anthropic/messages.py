@@ -15,7 +15,7 @@ import json
 import uuid
 
 from freetoken.server.anthropic.convert import parse_messages_body
-from freetoken.server.generation import build_prompt, start_generation
+from freetoken.server.generation import prepare_prompt, start_generation
 from freetoken.server.http import sse_event
 from freetoken.server.openai.params import get_bool
 
@@ -96,7 +96,7 @@ async def messages(ctx, request, response) -> None:
     body = request.json()
     model = ctx.check_model(body)
     req = parse_messages_body(body)
-    gen, _ = start_generation(ctx, req)
+    gen, _ = await start_generation(ctx, req)
     response.on_disconnect(gen.stream.abort)
     mid = f"msg_{uuid.uuid4().hex[:24]}"
     blocks = BlockWriter()
@@ -135,5 +135,5 @@ async def messages(ctx, request, response) -> None:
 async def count_tokens(ctx, request, response) -> None:
     body = request.json()
     ctx.check_model(body)
-    prompt = build_prompt(ctx, parse_messages_body(body, count_only=True))
+    prompt = await prepare_prompt(ctx, parse_messages_body(body, count_only=True))
     response.send_json(200, {"input_tokens": len(prompt.token_ids)})

@@ -123,7 +123,7 @@ async def chat_completions(ctx, request, response) -> None:
     model = ctx.check_model(body)
     req, opts = parse_chat_request(body)
     check_effort(ctx.meta, req.effort, "reasoning_effort")
-    gens, prompt = start_generations(ctx, req, opts.n)
+    gens, prompt = await start_generations(ctx, req, opts.n)
     response.on_disconnect(lambda: [g.stream.abort() for g in gens])
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if opts.stream:

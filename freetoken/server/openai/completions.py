@@ -14,7 +14,7 @@ import time
 import uuid
 
 from freetoken.server.errors import HTTPError
-from freetoken.server.generation import sample_params
+from freetoken.server.generation import sample_params, off_loop
 from freetoken.server.http import SSE_DONE, SSE_PING, sse_event
 from freetoken.server.openai.params import bad, get_bool, parse_generation
 from freetoken.server.openai.stream import (collect, logprobs_completion, prompt_logprobs_vllm,
@@ -94,7 +94,7 @@ async def completions(ctx, request, response) -> None:
     if body.get("suffix"):
         raise bad("suffix", "'suffix' is not supported")
     echo = get_bool(body, "echo", False)
-    prompts = parse_prompts(ctx, body)
+    prompts = await off_loop(len(request.body), parse_prompts, ctx, body)
     opts = parse_generation(body, chat=False)
     params = opts.params
     want_lp = params.logprobs is not None

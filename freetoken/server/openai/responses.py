@@ -145,7 +145,7 @@ async def responses(ctx, request, response) -> None:
     model = ctx.check_model(body)
     req, stream = parse_responses_body(body, parse_effort)
     check_effort(ctx.meta, req.effort, "reasoning.effort")
-    gen, _ = start_generation(ctx, req)
+    gen, _ = await start_generation(ctx, req)
     response.on_disconnect(gen.stream.abort)
     rid, created = f"resp_{uuid.uuid4().hex}", time.time()
     builder = ResponseBuilder()
