@@ -7,6 +7,7 @@ import dataclasses
 class SchedulerConfig:
     max_prefill_length: int = 2048     # tokens one step may compute (prefill chunks + decodes)
     max_running_requests: int = 64
+    enable_prefix_caching: bool = True  # share and keep full KV blocks of common prefixes
 
     def __post_init__(self):
         if self.max_prefill_length < 1:

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 
 from freetoken.engine.model_runner import ModelRunner, SeqChunk
+from freetoken.engine.prefix_cache import unsupported_reason
 from freetoken.engine.sampler import SampleRow, sample
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.output import TextStream
 from freetoken.scheduler.request import FinishReason, Request
 from freetoken.scheduler.scheduler import ScheduledChunk, Scheduler
+
+log = logging.getLogger("freetoken.engine")
 
 
 class RequestError(ValueError):
@@ -41,6 +45,8 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     prefill: dict | None = None        # with instrument_prefill, on the finishing delta
+    num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache
+    num_cache_created_tokens: int = 0  # prompt tokens this request added to the prefix cache
 
 
 @dataclasses.dataclass
@@ -92,7 +98,8 @@ class EngineCore:
         self.runner = runner
         self.prefill_timer = PrefillTimer(runner.device) if instrument_prefill else None
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(scheduler_config, runner.allocator)
+        self.scheduler = Scheduler(self._resolve_prefix_caching(scheduler_config, runner),
+                                   runner.allocator)
         self.requests: dict[str, Request] = {}
         self.streams: dict[str, TextStream] = {}
         # request id -> output tokens the sampler must pick first (scripted output, for tests)
@@ -104,6 +111,15 @@ class EngineCore:
         self.vocab_size = runner.model_config.vocab_size
         self.max_model_len = runner.max_model_len
         self._ids = itertools.count()
+
+    @staticmethod
+    def _resolve_prefix_caching(config: SchedulerConfig, runner) -> SchedulerConfig:
+        """Prefix caching stays on only where every layer's cache is attention KV."""
+        reason = unsupported_reason(runner.cache_specs) if config.enable_prefix_caching else None
+        if reason is None:
+            return config
+        log.info("prefix caching off: %s", reason)
+        return dataclasses.replace(config, enable_prefix_caching=False)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -182,6 +198,7 @@ class EngineCore:
         sampling = [s.request for s in scheduled if s.samples]
         for s in scheduled:
             s.request.num_computed_tokens += s.num_tokens
+            self.scheduler.cache_blocks(s.request)
             if s.request.num_output_tokens == 0:
                 self.stats.prompt_tokens_computed += s.num_tokens
         if not sampling:
@@ -230,7 +247,8 @@ class EngineCore:
                             reason.value if reason else None, stop,
                             [lp] if lp is not None else None,
                             req.num_prompt_tokens, req.num_output_tokens,
-                            req.prefill_report() if reason is not None else None)
+                            req.prefill_report() if reason is not None else None,
+                            req.num_cached_tokens, req.num_cache_created_tokens)
 
     def _finish(self, req: Request, reason: FinishReason, stop) -> None:
         req.finish(reason, stop)
