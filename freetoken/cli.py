@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-running-requests", type=_positive_int, default=64, metavar="N")
     s.add_argument("--kv-cache-tokens", type=_positive_int, metavar="N",
                    help="KV cache size in tokens (default: from free memory)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt's cached prefix and keep finished requests' "
+                        "full blocks cached until the space is needed (default: on)")
     s.add_argument("--cpu-threads", type=_positive_int, metavar="N",
                    help="torch CPU threads (default: all cores but one)")
     s.add_argument("--api-key", help="require this key (also FREETOKEN_API_KEY; the flag wins)")
@@ -179,7 +182,8 @@ def serve(args) -> int:
                               max_model_len=args.max_seq_len_override,
                               kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args))
         scheduler = SchedulerConfig(max_prefill_length=args.max_prefill_length,
-                                    max_running_requests=args.max_running_requests)
+                                    max_running_requests=args.max_running_requests,
+                                    enable_prefix_caching=args.enable_prefix_caching)
     except ValueError as e:
         raise SystemExit(f"ft serve: {e}") from None
     return run_server(server, engine, scheduler)

@@ -126,7 +126,8 @@ async def chat_completions(ctx, request, response) -> None:
               "finish_reason": gen.finish_reason}
     response.send_json(200, {"id": rid, "object": "chat.completion", "created": created, "model": model,
                              "choices": [choice],
-                             "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill)})
+                             "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill,
+                                            gen.num_cached_tokens)})
 
 
 async def _stream(ctx, gen, opts, response, base: dict) -> None:
@@ -157,6 +158,7 @@ async def _stream(ctx, gen, opts, response, base: dict) -> None:
     tail = b""
     if opts.include_usage:
         tail += sse_event({**base, "choices": [],
-                           "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill)})
+                           "usage": usage(gen.num_prompt_tokens, gen.num_output_tokens, gen.prefill,
+                                          gen.num_cached_tokens)})
     await response.write(tail + SSE_DONE)
     response.end_stream()

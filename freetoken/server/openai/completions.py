@@ -45,17 +45,18 @@ async def completions(ctx, request, response) -> None:
         response.send_json(200, {
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}],
-            "usage": usage(stream.num_prompt_tokens, r.num_output_tokens, r.prefill)})
+            "usage": usage(stream.num_prompt_tokens, r.num_output_tokens, r.prefill, r.num_cached_tokens)})
         return
 
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     extra = {"usage": None} if opts.include_usage else {}
     response.start_stream()
-    n_out, offset, prefill = 0, 0, None
+    n_out, offset, prefill, cached = 0, 0, None, 0
     try:
         async for d in stream:
             n_out = d.num_output_tokens
             prefill = d.prefill or prefill
+            cached = d.num_cached_tokens
             lp = None
             if want_lp and d.logprobs:
                 lp = logprobs_completion(ctx.tokenizer, d.new_token_ids, d.logprobs, offset)
@@ -72,7 +73,7 @@ async def completions(ctx, request, response) -> None:
                                                   "param": None, "code": None}}))
         response.end_stream()
         return
-    tail = sse_event({**base, "choices": [], "usage": usage(stream.num_prompt_tokens, n_out, prefill)}) \
+    tail = sse_event({**base, "choices": [], "usage": usage(stream.num_prompt_tokens, n_out, prefill, cached)}) \
         if opts.include_usage else b""
     await response.write(tail + SSE_DONE)
     response.end_stream()
