@@ -111,7 +111,7 @@ def test_metrics_and_instrumentation_report_the_cache(server):
     _, inst = server.request("GET", "/v1/instrumentation")
     pc = inst["prefix_cache"]
     assert pc["enabled"] and pc["requested"] and pc["block_size"] == BLOCK
-    assert pc["capacity_blocks"] == inst["kv_cache"]["blocks"]
+    assert pc["counters"]["cached_blocks"] <= inst["kv_cache"]["blocks"]
     assert pc["counters"]["cached_blocks"] > 0 and pc["counters"]["hit_tokens"] >= hits
 
 

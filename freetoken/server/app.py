@@ -273,11 +273,12 @@ class ServingApp:
 
 def prefix_cache_report(core, requested) -> dict:
     """On or off (requested: the flag; enabled: after the model's cache kinds had their say),
-    and the cache's size: the KV pool is the cache, so its capacity is every block."""
+    and the cache's size now (counters). The KV pool is the cache: its capacity is kv_cache's
+    blocks, not repeated here so that arms differing in KV size differ in one place."""
     alloc = core.runner.allocator
     stats = alloc.prefix.stats
     return {"enabled": core.scheduler.caching, "requested": requested.enable_prefix_caching,
-            "block_size": alloc.block_size, "capacity_blocks": alloc.num_blocks,
+            "block_size": alloc.block_size, "capacity": "kv_cache.blocks",
             "counters": {"cached_blocks": alloc.prefix.num_hashed, "idle_blocks": alloc.num_cached,
                          "cached_tokens": alloc.prefix.num_hashed * alloc.block_size,
                          "queried_tokens": stats.queried_tokens, "hit_tokens": stats.hit_tokens,
