@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "between tokens) takes about this long; 0: chunks of --max-prefill-length")
     s.add_argument("--kv-cache-tokens", type=_positive_int, metavar="N",
                    help="KV cache size in tokens (default: from free memory)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt's cached prefix and keep finished requests' "
+                        "full blocks cached until the space is needed (default: on)")
     s.add_argument("--cpu-threads", type=_positive_int, metavar="N",
                    help="torch CPU threads (default: all cores but one)")
     s.add_argument("--api-key", help="require this key (also FREETOKEN_API_KEY; the flag wins)")
@@ -212,7 +215,8 @@ def serve(args) -> int:
                               kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args))
         scheduler = SchedulerConfig(max_prefill_length=args.max_prefill_length,
                                     max_step_time_s=args.max_step_time_ms / 1e3 or None,
-                                    max_running_requests=args.max_running_requests)
+                                    max_running_requests=args.max_running_requests,
+                                    enable_prefix_caching=args.enable_prefix_caching)
     except ValueError as e:
         raise SystemExit(f"ft serve: {e}") from None
     return run_server(server, engine, scheduler)

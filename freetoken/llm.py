@@ -52,13 +52,14 @@ class LLM:
                  moe_cpu_threads: int | None = None, moe_hybrid_k: int | None = None,
                  pin_budget_gb: float | None = None, kv_reserve_tokens: int = 8192,
                  moe_prefetch: str | bool = "auto", moe_lfu_decay: float = 0.9,
-                 moe_trace: str | None = None):
+                 moe_trace: str | None = None, enable_prefix_caching: bool = True):
         # moe_*: where the experts live and run (see freetoken.moe.config.MoeConfig).
         from freetoken.demo.builtin import DEMO_NAME, demo_model_path
         if model == DEMO_NAME:            # the demo's served name, as `ft serve` with no model serves it
             model = str(demo_model_path())
         # moe_trace is written when this LLM is collected or the interpreter exits, or by
-        # llm.runner.moe.close().
+        # llm.runner.moe.close(). enable_prefix_caching: share and keep the KV blocks of common
+        # prompt prefixes (vLLM's name; on by default).
         moe = MoeConfig(backend=moe_backend, cache_size=moe_cache_size, cache_rate=moe_cache_rate,
                         cache_policy=moe_cache_policy, cpu_layers=moe_cpu_layers,
                         cpu_threads=moe_cpu_threads, hybrid_k=moe_hybrid_k,
@@ -74,7 +75,8 @@ class LLM:
             from freetoken.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
         self.engine = EngineCore(self.runner, self.tokenizer,
-                                 SchedulerConfig(max_prefill_length, max_running_requests))
+                                 SchedulerConfig(max_prefill_length, max_running_requests,
+                                                 enable_prefix_caching))
         if moe_trace and self.runner.moe is not None:
             weakref.finalize(self, self.runner.moe.close)
 

@@ -249,7 +249,7 @@ class FakeStream:
 def _delta(text, finished=False):
     return types.SimpleNamespace(text=text, finished=finished, finish_reason="stop" if finished else None,
                                  stop_reason=None, new_token_ids=[1], logprobs=None, num_output_tokens=1,
-                                 prefill=None)
+                                 prefill=None, num_cached_tokens=0, num_cache_created_tokens=0)
 
 
 def test_generation_pings_while_the_model_is_silent():

@@ -54,6 +54,7 @@ class StreamResult:
     event_times: list = dataclasses.field(default_factory=list)   # perf_counter per text event
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens (prefix cache)
     finish_reason: str | None = None
     http_status: int | None = None
     error: str | None = None
@@ -204,6 +205,7 @@ class _SSE:
         if usage:
             r.prompt_tokens = usage.get("prompt_tokens")
             r.completion_tokens = usage.get("completion_tokens")
+            r.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in obj.get("choices") or []:
             delta = choice.get("delta") or {}
             if choice.get("text") or delta.get("content") or delta.get("reasoning_content") \

@@ -26,6 +26,7 @@ def make_record(res: StreamResult, t0: float, w: Workload, body: dict, **where) 
            "t_start_s": res.t_start - t0, "ttft_s": times[0] if times else None,
            "e2e_s": res.t_end - res.t_start, "event_times_s": times,
            "prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+           "cached_tokens": res.cached_tokens,
            "finish_reason": res.finish_reason, "http_status": res.http_status, "error": res.error}
     rec["checks"] = checks(rec, w, body)
     return rec

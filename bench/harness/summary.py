@@ -70,6 +70,8 @@ def _group(rs: list[dict], warmups: list[dict]) -> dict:
                                  if r["prompt_tokens"] and r["ttft_s"]]),
         "round_tok_s": spread(round_tok_s),
         "prompt_tokens": _range([r["prompt_tokens"] for r in rs]),
+        "cached_tokens": _range([r.get("cached_tokens") for r in rs]),
+        "cache_hit_rate": cache_hit_rate(rs),
         "completion_tokens": _range([r["completion_tokens"] for r in rs]),
         "events_per_generation": _range([len(r["event_times_s"]) for r in rs]),
         "by_session": {str(s): {"n": len(v), "ttft_s_median": _median([r["ttft_s"] for r in v]),
@@ -77,6 +79,13 @@ def _group(rs: list[dict], warmups: list[dict]) -> dict:
                        for s, v in sorted(sessions.items())},
         "warmup": {"n": len(warmups), "ttft_s_median": _median([r["ttft_s"] for r in warmups])},
     }
+
+
+def cache_hit_rate(rs: list[dict]) -> float | None:
+    """Prompt tokens the server's prefix cache served / prompt tokens, over the generations
+    whose usage says (None: the server does not report cached tokens)."""
+    known = [r for r in rs if r.get("cached_tokens") is not None and r["prompt_tokens"]]
+    return sum(r["cached_tokens"] for r in known) / sum(r["prompt_tokens"] for r in known) if known else None
 
 
 def _median(values) -> float | None:
@@ -129,21 +138,55 @@ def _results(run: dict) -> list[str]:
     out = ["## Results", "",
            "Measured generations only; warmups are in generations.jsonl, tagged `warmup`. TTFT: request "
            "start to the first SSE event carrying text. Decode: (output tokens - 1) / (last event - first "
-           "event), per generation. Round: all tokens of one round / its wall time. Cells: median "
-           "[p25-p75].", "",
+           "event), per generation. Round: all tokens of one round / its wall time. Cached: the prompt "
+           "tokens the server's prefix cache served (usage.prompt_tokens_details.cached_tokens) over all "
+           "prompt tokens. Cells: median [p25-p75].", "",
            "| arm | workload | conc | turn | n | TTFT ms | decode tok/s | ITL ms p50 / p90 / p99 | e2e s "
-           "| round tok/s | prompt tok | output tok |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| round tok/s | prompt tok | output tok | cached |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in run["summary"].values():
         itl = g["itl_s"]
         itl_cell = "-" if not itl else f"{_ms(itl)} / {_ms(itl, 'p90')} / {_ms(itl, 'p99')}"
         out.append(f"| {g['arm']} | {g['workload']} | {g['concurrency']} | {g['turn']} | {g['n']} | "
                    f"{_sp(g['ttft_s'], 1e3)} | {_sp(g['decode_tok_s'], 1, 1)} | {itl_cell} | "
                    f"{_sp(g['e2e_s'], 1, 3)} | {_sp(g['round_tok_s'], 1, 1)} | "
-                   f"{_span(g['prompt_tokens'])} | {_span(g['completion_tokens'])} |")
+                   f"{_span(g['prompt_tokens'])} | {_span(g['completion_tokens'])} | "
+                   f"{_pct(g.get('cache_hit_rate'))} |")
     if not run["summary"]:
-        out.append("| (no measured generations) |||||||||||| ")
-    return out + [""]
+        out.append("| (no measured generations) ||||||||||||| ")
+    return out + [""] + _ttft_by_turn(run)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _ttft_by_turn(run: dict) -> list[str]:
+    """Multi-turn workloads: median TTFT per turn, an arm per column, and each arm's speedup
+    over the first arm's (so arms that differ in one flag, e.g. prefix caching, compare per turn)."""
+    groups = [g for g in run["summary"].values() if g["ttft_s"]]
+    multi = sorted({(g["workload"], g["concurrency"]) for g in groups if g["turn"] > 0})
+    out = []
+    for workload, conc in multi:
+        mine = [g for g in groups if g["workload"] == workload and g["concurrency"] == conc]
+        arms = list(dict.fromkeys(g["arm"] for g in mine))
+        cell = {(g["arm"], g["turn"]): g for g in mine}
+        out += [f"### TTFT per turn: {workload}, concurrency {conc}", "",
+                "| turn | " + " | ".join(f"{a} TTFT ms | {a} cached" for a in arms)
+                + "".join(f" | {arms[0]} / {a}" for a in arms[1:]) + " |",
+                "|---" * (1 + 2 * len(arms) + len(arms) - 1) + "|"]
+        for turn in sorted({g["turn"] for g in mine}):
+            row = [str(turn)]
+            for a in arms:
+                g = cell.get((a, turn))
+                row += [_ms(g["ttft_s"]) if g else "-", _pct(g.get("cache_hit_rate")) if g else "-"]
+            base = cell.get((arms[0], turn))
+            for a in arms[1:]:
+                g = cell.get((a, turn))
+                row.append(f"{base['ttft_s']['median'] / g['ttft_s']['median']:.2f}x" if base and g else "-")
+            out.append("| " + " | ".join(row) + " |")
+        out.append("")
+    return out
 
 
 def _span(r: list | None) -> str:

@@ -10,6 +10,7 @@ class SchedulerConfig:
     # Shorten prefill chunks so a step takes about this long (step_budget.py); None: chunks
     # of max_prefill_length whatever they cost (the offline LLM API's throughput default).
     max_step_time_s: float | None = None
+    enable_prefix_caching: bool = True  # share and keep full KV blocks of common prefixes
 
     def __post_init__(self):
         if self.max_prefill_length < 1:

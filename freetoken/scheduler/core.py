@@ -18,12 +18,15 @@ import torch
 
 from freetoken.engine.grammar import GrammarCompiler, GrammarError
 from freetoken.engine.model_runner import ModelRunner, SeqChunk
+from freetoken.engine.prefix_cache import unsupported_reason
 from freetoken.engine.sampler import SampleRow, sample, token_logprobs
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.output import TextStream
 from freetoken.scheduler.request import FinishReason, Request
 from freetoken.scheduler.scheduler import ScheduledChunk, Scheduler
+
+log = logging.getLogger("freetoken.engine")
 
 
 log = logging.getLogger("freetoken.engine")
@@ -73,6 +76,8 @@ class RequestDelta:
     # With params.prompt_logprobs, on the first delta: per prompt token, None (the first) or
     # (logprob, [(id, logprob)] top-n).
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache
+    num_cache_created_tokens: int = 0  # prompt tokens this request added to the prefix cache
 
 
 @dataclasses.dataclass
@@ -141,7 +146,8 @@ class EngineCore:
         self.runner = runner
         self.prefill_timer = PrefillTimer(runner.device) if instrument_prefill else None
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(scheduler_config, runner.allocator)
+        self.scheduler = Scheduler(self._resolve_prefix_caching(scheduler_config, runner),
+                                   runner.allocator)
         self.requests: dict[str, Request] = {}
         self.streams: dict[str, TextStream] = {}
         # request id -> output tokens the sampler must pick first (scripted output, for tests)
@@ -158,6 +164,15 @@ class EngineCore:
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_ids) \
             if tokenizer is not None else None
         self._ids = itertools.count()
+
+    @staticmethod
+    def _resolve_prefix_caching(config: SchedulerConfig, runner) -> SchedulerConfig:
+        """Prefix caching stays on only where every layer's cache is attention KV."""
+        reason = unsupported_reason(runner.cache_specs) if config.enable_prefix_caching else None
+        if reason is None:
+            return config
+        log.info("prefix caching off: %s", reason)
+        return dataclasses.replace(config, enable_prefix_caching=False)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -310,6 +325,7 @@ class EngineCore:
         for s in scheduled:
             if not s.request.is_finished:      # aborted while its forward ran: nothing to add
                 s.request.num_computed_tokens += s.num_tokens
+                self.scheduler.cache_blocks(s.request)
                 if s.request.num_output_tokens == 0:
                     self.stats.prompt_tokens_computed += s.num_tokens
         if not sampling:
@@ -367,7 +383,8 @@ class EngineCore:
                             [lp] if lp is not None else None,
                             req.num_prompt_tokens, req.num_output_tokens,
                             req.prefill_report() if reason is not None else None,
-                            req.prompt_logprobs if req.num_output_tokens == 1 else None)
+                            req.prompt_logprobs if req.num_output_tokens == 1 else None,
+                            req.num_cached_tokens, req.num_cache_created_tokens)
 
     def _finish(self, req: Request, reason: FinishReason, stop) -> None:
         req.finish(reason, stop)

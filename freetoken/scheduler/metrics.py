@@ -20,6 +20,13 @@ class EngineMetrics:
         r.add(Gauge("freetoken_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
                     lambda: 1.0 - alloc.num_free / alloc.num_blocks))
         r.add(Gauge("freetoken_kv_cache_blocks_total", "KV cache blocks", lambda: alloc.num_blocks))
+        prefix = alloc.prefix
+        r.add(Counter("freetoken_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission",
+                      lambda: prefix.stats.queried_tokens))
+        r.add(Counter("freetoken_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)",
+                      lambda: prefix.stats.hit_tokens))
+        r.add(Gauge("freetoken_prefix_cache_blocks", "KV blocks holding a cached prefix (shared or idle)",
+                    lambda: prefix.num_hashed))
         self.prompt_tokens = r.add(Counter("freetoken_prompt_tokens", "Prompt tokens of finished requests"))
         self.generation_tokens = r.add(Counter("freetoken_generation_tokens", "Tokens generated"))
         self.requests = r.add(Counter("freetoken_requests_finished", "Finished requests by finish reason"))

@@ -35,6 +35,13 @@ class Request:
         self.stop_reason: str | int | None = None  # the stop string or token that ended it
         self.num_computed_tokens = 0          # tokens whose K/V are in the cache
         self.block_ids: list[int] = []
+        # Prefix caching (scheduler.py): the hash chain of its full blocks, how many of its
+        # blocks are registered in the cache, and for usage: prompt tokens found cached at
+        # admission, and prompt tokens this request's blocks added to the cache.
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.num_cached_tokens = 0
+        self.num_cache_created_tokens = 0
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

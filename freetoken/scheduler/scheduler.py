@@ -7,6 +7,12 @@ decodes too. The token budget is max_prefill_length, or the chunk a step time bu
 budget, the running-request cap and free KV blocks allow. When a running request needs a KV
 block and none is free, the newest running request is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (prompt + output so far) later.
+
+With prefix caching, a request admitted without blocks first takes the cached blocks of its
+longest cached prefix (prefix_cache.py) and is prefilled from the first token they lack; at
+least its last token is always computed, so there are logits to sample from. After each step
+the blocks a request has completed are registered, so a preempted, finished or aborted
+request leaves them cached, not lost.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import collections
 import dataclasses
 
 from freetoken.engine.kv_cache import BlockAllocator
+from freetoken.engine.prefix_cache import extend_hashes
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.request import Request, RequestStatus
 from freetoken.scheduler.step_budget import StepBudget
@@ -41,6 +48,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_budget = (StepBudget(config.max_step_time_s, config.max_prefill_length)
                             if config.max_step_time_s else None)
+        self.caching = config.enable_prefix_caching
 
     # -- queue ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -82,10 +90,13 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_running_requests):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.allocator.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
-            if not self.allocator.can_allocate(need):
+            cached = self._cached_prefix(req)
+            start = req.num_computed_tokens + len(cached) * self.allocator.block_size
+            n = min(req.num_tokens - start, budget)
+            need = self.allocator.blocks_for(start + n) - len(req.block_ids) - len(cached)
+            if not self.allocator.can_allocate(need, reuse=cached):
                 break
+            self._take_prefix(req, cached)
             req.block_ids += self.allocator.allocate(need)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -118,5 +129,52 @@ class Scheduler:
 
     def _free_blocks(self, req: Request) -> None:
         if req.block_ids:
+            self.cache_blocks(req)
             self.allocator.free(req.block_ids)
             req.block_ids = []
+            req.num_registered_blocks = 0
+
+    # -- prefix caching -------------------------------------------------------------------
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks a request without blocks can start from (check only). At most
+        (num_tokens - 1) // BS blocks: the last token is always computed, and a partial
+        block is never shared."""
+        if not self.caching or req.block_ids:
+            return []
+        bs = self.allocator.block_size
+        limit = (req.num_tokens - 1) // bs
+        extend_hashes(req.block_hashes, req.token_ids, bs, limit * bs)
+        return self.allocator.match(req.block_hashes[:limit])
+
+    def _take_prefix(self, req: Request, cached: list[int]) -> None:
+        if not self.caching:
+            return
+        self.allocator.take(cached)
+        hit = len(cached) * self.allocator.block_size
+        req.block_ids = list(cached)
+        req.num_registered_blocks = len(cached)
+        req.num_computed_tokens = hit
+        stats = self.allocator.prefix.stats
+        stats.queried_tokens += req.num_tokens
+        stats.hit_tokens += hit
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hit
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register the request's blocks whose every token's KV is now computed."""
+        bs = self.allocator.block_size
+        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        if not self.caching or full <= req.num_registered_blocks:
+            return
+        extend_hashes(req.block_hashes, req.token_ids, bs, full * bs)
+        prompt_blocks = req.num_prompt_tokens // bs
+        for i in range(req.num_registered_blocks, full):
+            if self.allocator.register(req.block_ids[i], req.block_hashes[i]) and i < prompt_blocks \
+                    and req.num_preemptions == 0:
+                req.num_cache_created_tokens += bs
+        req.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix and zero the hit counters (after warmup)."""
+        self.allocator.prefix.stats = type(self.allocator.prefix.stats)()
+        return self.allocator.reset_prefix_cache()

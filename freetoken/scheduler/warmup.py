@@ -6,6 +6,10 @@ is run through the real request path (admission, KV allocation, one decode, free
 1..16, then 2^k-1, 2^k, 2^k+1 up to the prefill budget, and the budget itself; then one
 request walks the KV depth in budget-sized chunks up to the serving depth, so attention's
 long-context classes (split-KV decode) are compiled too.
+
+With prefix caching the cache is emptied before each ladder request (so each really prefills
+its length, never a cached part of it) and after the last, so no ladder block is ever counted
+as a hit for real traffic.
 """
 
 from __future__ import annotations
@@ -61,9 +65,11 @@ def run_warmup(core, max_depth: int | None = None,
 
 
 def _run_to_end(core, prompt: list[int], params: SamplingParams) -> None:
+    core.scheduler.reset_prefix_cache()
     req = core.add_request(prompt, params)
     try:
         while not req.is_finished:
             core.step()
     finally:
         core.abort(req.request_id)   # no-op when finished; frees blocks if a step raised
+        core.scheduler.reset_prefix_cache()

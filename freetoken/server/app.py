@@ -262,6 +262,7 @@ class ServingApp:
                                             if self.engine.core.scheduler.step_budget else
                                             self.scheduler_config.max_prefill_length),
                           "max_running_requests": self.scheduler_config.max_running_requests},
+            "prefix_cache": prefix_cache_report(self.engine.core, self.scheduler_config),
             "warmup": self.warmup_report,
             "chat": self.meta.describe(),
         }
@@ -298,13 +299,29 @@ class ServingApp:
         response.send_json(200, {
             "running": self.engine.num_running, "waiting": self.engine.num_waiting,
             "kv_blocks_total": alloc.num_blocks, "kv_blocks_free": alloc.num_free,
-            "kv_block_size": alloc.block_size,
+            "kv_block_size": alloc.block_size, "kv_blocks_cached": alloc.num_cached,
+            "prefix_cache_hit_tokens": alloc.prefix.stats.hit_tokens,
+            "prefix_cache_queried_tokens": alloc.prefix.stats.queried_tokens,
             "tokens_generated": core.stats.tokens_generated,
             "prompt_tokens_computed": core.stats.prompt_tokens_computed,
             "steps": core.stats.steps, "max_batch_seqs": core.stats.max_batch_seqs,
             "preemptions": core.scheduler.num_preemptions,
             "recent_requests": list(self.engine.recent),
         })
+
+
+def prefix_cache_report(core, requested) -> dict:
+    """On or off (requested: the flag; enabled: after the model's cache kinds had their say),
+    and the cache's size now (counters). The KV pool is the cache: its capacity is kv_cache's
+    blocks, not repeated here so that arms differing in KV size differ in one place."""
+    alloc = core.runner.allocator
+    stats = alloc.prefix.stats
+    return {"enabled": core.scheduler.caching, "requested": requested.enable_prefix_caching,
+            "block_size": alloc.block_size, "capacity": "kv_cache.blocks",
+            "counters": {"cached_blocks": alloc.prefix.num_hashed, "idle_blocks": alloc.num_cached,
+                         "cached_tokens": alloc.prefix.num_hashed * alloc.block_size,
+                         "queried_tokens": stats.queried_tokens, "hit_tokens": stats.hit_tokens,
+                         "hit_rate": stats.hit_rate}}
 
 
 def _triton_version() -> str | None:

@@ -209,6 +209,8 @@ class Generation:
         self.logprobs: list = []
         self.prefill: dict | None = None
         self.prompt_logprobs: list | None = None   # with params.prompt_logprobs
+        self.num_cached_tokens = 0          # prompt tokens served by the prefix cache
+        self.num_cache_created_tokens = 0   # prompt tokens this request added to it
         self._pending = parser.feed(prefix) if prefix else []
 
     async def steps(self, ping_s: float | None = None):
@@ -269,6 +271,8 @@ class Generation:
         self.prefill = d.prefill or self.prefill
         if getattr(d, "prompt_logprobs", None) is not None:
             self.prompt_logprobs = d.prompt_logprobs
+        self.num_cached_tokens = d.num_cached_tokens
+        self.num_cache_created_tokens = d.num_cache_created_tokens
         if was_reasoning or any(e.kind == "reasoning" for e in events):
             self.num_reasoning_tokens += len(d.new_token_ids)
         for e in events:

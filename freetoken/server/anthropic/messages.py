@@ -7,6 +7,10 @@ max_tokens, stop_sequence (with the sequence), tool_use. A stream is message_sta
 block content_block_start -> content_block_delta (thinking_delta | text_delta |
 input_json_delta) ... -> content_block_stop, then message_delta (stop_reason, usage) and
 message_stop; a `ping` event goes out whenever the model is silent for ping_interval_s.
+Usage follows Anthropic's caching: input_tokens + cache_read_input_tokens (the prefix cache's
+hit) + cache_creation_input_tokens (prompt tokens this request left cached) = the prompt. A
+stream's message_start goes out before the prefill, so it counts the whole prompt as input;
+message_delta then carries the final counts (cumulative, which the SDK overwrites with).
 """
 
 from __future__ import annotations
@@ -82,6 +86,13 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"value": value}
 
 
+def usage(gen) -> dict:
+    read, created = gen.num_cached_tokens, gen.num_cache_created_tokens
+    return {"input_tokens": gen.num_prompt_tokens - read - created,
+            "cache_creation_input_tokens": created, "cache_read_input_tokens": read,
+            "output_tokens": gen.num_output_tokens}
+
+
 def stop_reason(gen) -> tuple[str, str | None]:
     if gen.finish_reason == "tool_calls":
         return "tool_use", None
@@ -102,7 +113,8 @@ async def messages(ctx, request, response) -> None:
     blocks = BlockWriter()
     message = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
                "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": gen.num_prompt_tokens, "output_tokens": 0}}
+               "usage": {"input_tokens": gen.num_prompt_tokens, "cache_creation_input_tokens": 0,
+                         "cache_read_input_tokens": 0, "output_tokens": 0}}
     if not get_bool(body, "stream", False):
         async for step in gen.steps():
             blocks.feed(step.events)
@@ -110,8 +122,7 @@ async def messages(ctx, request, response) -> None:
         reason, sequence = stop_reason(gen)
         response.send_json(200, {**message, "content": blocks.content, "stop_reason": reason,
                                  "stop_sequence": sequence,
-                                 "usage": {"input_tokens": gen.num_prompt_tokens,
-                                           "output_tokens": gen.num_output_tokens}})
+                                 "usage": usage(gen)})
         return
 
     def events(items: list[dict]) -> bytes:
@@ -127,7 +138,7 @@ async def messages(ctx, request, response) -> None:
     reason, sequence = stop_reason(gen)
     await response.write(events(blocks.close() + [
         {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-         "usage": {"output_tokens": gen.num_output_tokens}},
+         "usage": usage(gen)},
         {"type": "message_stop"}]))
     response.end_stream()
 

@@ -148,7 +148,8 @@ async def chat_completions(ctx, request, response) -> None:
 
 def _usage(gens) -> dict:
     """The prompt counted once, every sample's completion tokens (as OpenAI counts n > 1)."""
-    return usage(gens[0].num_prompt_tokens, sum(g.num_output_tokens for g in gens), gens[0].prefill)
+    return usage(gens[0].num_prompt_tokens, sum(g.num_output_tokens for g in gens), gens[0].prefill,
+                 gens[0].num_cached_tokens)
 
 
 async def _stream(ctx, gens, opts, response, base: dict) -> None:

@@ -131,17 +131,20 @@ async def completions(ctx, request, response) -> None:
             out.append(choice)
         response.send_json(200, {
             "id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
-            "usage": usage(prompt_tokens, sum(r.num_output_tokens for r in results), results[0].prefill)})
+            "usage": usage(prompt_tokens, sum(r.num_output_tokens for r in results), results[0].prefill,
+                           sum(r.num_cached_tokens for c, r in zip(choices, results) if c.index % opts.n == 0))})
         return
 
     base = {"id": rid, "object": "text_completion", "created": created, "model": model}
     extra = {"usage": None} if opts.include_usage else {}
-    totals = {"out": [0] * len(choices), "prefill": None}
+    totals = {"out": [0] * len(choices), "prefill": None, "cached": [0] * len(choices)}
 
     def render(k: int, step) -> bytes:
         c, d = choices[k], step.delta
         totals["out"][k] = d.num_output_tokens
         totals["prefill"] = d.prefill or totals["prefill"]
+        if c.index % opts.n == 0:          # a prompt's cached tokens counted once, not per sample
+            totals["cached"][k] = d.num_cached_tokens
         text, lp = "", None
         if echo and not c.started:
             text, lp = echo_part(c, d.prompt_logprobs)
@@ -165,7 +168,8 @@ async def completions(ctx, request, response) -> None:
     response.start_stream()
     if not await stream_many(choices, response, ctx.server_config.ping_interval_s, SSE_PING, render, error):
         return
-    tail = sse_event({**base, "choices": [], "usage": usage(prompt_tokens, sum(totals["out"]), totals["prefill"])}) \
+    tail = sse_event({**base, "choices": [], "usage": usage(prompt_tokens, sum(totals["out"]), totals["prefill"],
+                                                             sum(totals["cached"]))}) \
         if opts.include_usage else b""
     await response.write(tail + SSE_DONE)
     response.end_stream()

@@ -127,7 +127,8 @@ def _response(body: dict, rid: str, model: str, created: float, status: str, out
         out["completed_at"] = time.time() if status == "completed" else None
         out["usage"] = {
             "input_tokens": gen.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": gen.num_cached_tokens,
+                                     "cache_write_tokens": gen.num_cache_created_tokens},
             "output_tokens": gen.num_output_tokens,
             "output_tokens_details": {"reasoning_tokens": gen.num_reasoning_tokens},
             "total_tokens": gen.num_prompt_tokens + gen.num_output_tokens}

@@ -15,12 +15,13 @@ class Collected:
     logprobs: list
     prefill: dict | None = None
     prompt_logprobs: list | None = None
+    num_cached_tokens: int = 0
 
 
 async def collect(stream) -> Collected:
     """Run a request to the end (non-streaming responses)."""
     texts, ids, lps = [], [], []
-    finish, n_out, prefill, prompt_lps = None, 0, None, None
+    finish, n_out, prefill, prompt_lps, cached = None, 0, None, None, 0
     try:
         async for d in stream:
             prompt_lps = d.prompt_logprobs if d.prompt_logprobs is not None else prompt_lps
@@ -29,10 +30,11 @@ async def collect(stream) -> Collected:
             lps.extend(d.logprobs or [])
             finish, n_out = d.finish_reason, d.num_output_tokens
             prefill = d.prefill or prefill
+            cached = d.num_cached_tokens
     finally:
         if not stream.finished:
             stream.abort()
-    return Collected("".join(texts), ids, finish, n_out, lps, prefill, prompt_lps)
+    return Collected("".join(texts), ids, finish, n_out, lps, prefill, prompt_lps, cached)
 
 
 def prompt_logprobs_vllm(tokenizer, prompt_ids: list[int], entries: list | None) -> list | None:
@@ -53,10 +55,13 @@ def prompt_logprobs_vllm(tokenizer, prompt_ids: list[int], entries: list | None)
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int, prefill: dict | None = None) -> dict:
-    """OpenAI's usage object; with FREETOKEN_INSTRUMENT_PREFILL the prefill timing rides along."""
+def usage(prompt_tokens: int, completion_tokens: int, prefill: dict | None = None,
+          cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object (cached_tokens: prompt tokens served by the prefix cache); with
+    FREETOKEN_INSTRUMENT_PREFILL the prefill timing rides along."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if prefill is not None:
         out["prefill"] = prefill
     return out
