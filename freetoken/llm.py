@@ -75,8 +75,9 @@ class LLM:
             from freetoken.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
         self.engine = EngineCore(self.runner, self.tokenizer,
-                                 SchedulerConfig(max_prefill_length, max_running_requests,
-                                                 enable_prefix_caching))
+                                 SchedulerConfig(max_prefill_length=max_prefill_length,
+                                                 max_running_requests=max_running_requests,
+                                                 enable_prefix_caching=enable_prefix_caching))
         if moe_trace and self.runner.moe is not None:
             weakref.finalize(self, self.runner.moe.close)
 

@@ -244,3 +244,14 @@ def test_allocator_invariants_under_random_traces(seed):
     alloc, sched = _trace(seed)
     assert alloc.prefix.stats.hit_tokens > 0      # the traces really share prefixes
     assert sched.num_preemptions > 0              # and really run out of blocks
+
+
+def test_prompt_logprobs_bypass_a_cached_prefix(path):
+    """The cache keeps KV, not logits: a request asking for its prompt's logprobs computes
+    every prompt position even when the prompt is cached, and gets every logprob."""
+    llm = LLM(path, skip_tokenizer_init=True)
+    prompt = [(5 * i + 2) % 300 for i in range(40)]
+    llm.generate([prompt], GREEDY)
+    out = llm.generate([prompt], SP(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    assert all(e is not None for e in out.prompt_logprobs[1:])

@@ -138,8 +138,9 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks a request without blocks can start from (check only). At most
         (num_tokens - 1) // BS blocks: the last token is always computed, and a partial
-        block is never shared."""
-        if not self.caching or req.block_ids:
+        block is never shared. A request that wants its prompt's logprobs computes every
+        prompt position (the cache keeps KV, not logits)."""
+        if not self.caching or req.block_ids or req.params.prompt_logprobs is not None:
             return []
         bs = self.allocator.block_size
         limit = (req.num_tokens - 1) // bs

@@ -24,6 +24,9 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
                         "mask_token")
 
 
+GIL_FREE_CHARS = 16_384     # longer texts tokenize without holding the GIL
+
+
 class Tokenizer:
     def __init__(self, backend: _Backend, config: dict, chat_template: str | dict | None = None,
                  name_or_path: str = ""):
@@ -88,6 +91,10 @@ class Tokenizer:
 
     # -- ids <-> text ----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > GIL_FREE_CHARS:
+            # encode_batch releases the GIL (encode holds it: seconds for megabytes of text,
+            # while the event loop could not run); the same ids.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
