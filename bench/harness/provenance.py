@@ -22,7 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # Live counters and timings in /v1/instrumentation: they change while the configuration does not.
-VOLATILE_KEYS = {"free_blocks", "counters", "warmup", "uptime_s", "served_name", "path"}
+VOLATILE_KEYS = {"free_blocks", "counters", "warmup", "uptime_s", "served_name", "path",
+                 "prefill_chunk"}
 
 
 def version(package: str) -> str | None:
