@@ -60,23 +60,29 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, s
     return out
 
 
-def _gather_kv(cache, tables, pos):
-    """[B, M] block tables, [B, L] key positions -> [B, L, Hk, D] keys or values.
+def _key_blocks(tables, lens: list[int], first: list[int], bs: int):
+    """The whole cache blocks holding keys first[b]..lens[b]-1 of each sequence, padded to the
+    longest span: ([B, NB] block ids, [B, NB*BS] key positions, [B, NB*BS] valid). Whole
+    blocks are gathered (one contiguous copy each) rather than key by key: the CPU serves
+    with this reference. Padding table ids (-1) read block 0, masked out."""
+    start = [f // bs for f in first]
+    span = max(-(-n // bs) - s0 for n, s0 in zip(lens, start))
+    device = tables.device
+    if not any(first):                     # no window: each table's first blocks, as they are
+        pos = torch.arange(span * bs, device=device)[None]
+        return (tables[:, :span].long().clamp(min=0), pos,
+                pos < torch.tensor(lens, device=device)[:, None])
+    cols = torch.tensor(start, device=device)[:, None] + torch.arange(span, device=device)[None]
+    blocks = tables.long().gather(1, cols.clamp(max=tables.shape[1] - 1)).clamp(min=0)
+    pos = (cols[:, :1] * bs + torch.arange(span * bs, device=device)[None])      # [B, L]
+    valid = ((pos >= torch.tensor(first, device=device)[:, None])
+             & (pos < torch.tensor(lens, device=device)[:, None]))
+    return blocks, pos, valid
 
-    Padding table ids (-1) read block 0; callers mask whatever they did not ask for."""
-    bs = cache.shape[1]
-    blocks = tables.long().gather(1, pos // bs).clamp(min=0)
-    return cache[blocks, pos % bs]
 
-
-def _key_positions(lens: list[int], first: list[int], device):
-    """Keys first[b]..lens[b]-1 of each sequence, padded to the longest span:
-    ([B, L] positions clamped into range, [B, L] valid)."""
-    span = max(n - f for n, f in zip(lens, first))
-    start = torch.tensor(first, device=device)[:, None]
-    end = torch.tensor(lens, device=device)[:, None]
-    pos = start + torch.arange(span, device=device)[None, :]
-    return pos.clamp(max=end - 1).clamp(min=0), pos < end
+def _gather_kv(cache, blocks):
+    """[B, NB] block ids -> [B, NB*BS, Hk, D] keys or values."""
+    return cache[blocks].flatten(1, 2)
 
 
 def _softmax_with_sinks(scores, sinks):
@@ -94,9 +100,9 @@ def _decode_batch(q, k_cache, v_cache, tables, lens: list[int], scale: float, wi
     b, hq, dk = q.shape
     hk = k_cache.shape[2]
     first = [max(0, n - window) if window else 0 for n in lens]
-    pos, valid = _key_positions(lens, first, q.device)                   # [B, L]
-    k = _gather_kv(k_cache, tables, pos).to(q.dtype)              # [B, L, Hk, Dk]
-    v = _gather_kv(v_cache, tables, pos).to(q.dtype)              # [B, L, Hk, Dv]
+    blocks, _, valid = _key_blocks(tables, lens, first, k_cache.shape[1])   # valid [B, L]
+    k = _gather_kv(k_cache, blocks).to(q.dtype)                   # [B, L, Hk, Dk]
+    v = _gather_kv(v_cache, blocks).to(q.dtype)                   # [B, L, Hk, Dv]
     qg = q.view(b, hk, hq // hk, dk)                              # [B, Hk, G, Dk]
     scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale       # [B, Hk, G, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -111,13 +117,13 @@ def _prefill_one(q, k_cache, v_cache, table, ctx: int, scale: float, window, sin
     n_q, hq, _ = q.shape
     hk = k_cache.shape[2]
     first = max(0, ctx - n_q - window + 1) if window else 0
-    pos, _ = _key_positions([ctx], [first], q.device)
-    k = _gather_kv(k_cache, table[None], pos)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, Dk]
-    v = _gather_kv(v_cache, table[None], pos)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, Dv]
+    blocks, pos, valid = _key_blocks(table[None], [ctx], [first], k_cache.shape[1])
+    k = _gather_kv(k_cache, blocks)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, Dk]
+    v = _gather_kv(v_cache, blocks)[0].transpose(0, 1).to(q.dtype)   # [Hk, L, Dv]
     k = k.repeat_interleave(hq // hk, dim=0)
     v = v.repeat_interleave(hq // hk, dim=0)
     q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
-    mask = pos <= q_pos                                                         # [n_q, L]
+    mask = (pos <= q_pos) & valid                                               # [n_q, L]
     if window:
         mask &= pos > q_pos - window
     qt = q.transpose(0, 1)                                                      # [Hq, n_q, Dk]
