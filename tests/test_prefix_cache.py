@@ -96,14 +96,15 @@ def test_chunked_prefill_after_a_hit_and_decode_blocks_cached(path, cold):
 
 
 def test_identical_prompts_in_one_batch_and_after(path, cold):
-    """n > 1 in miniature: the same prompt several times at once (admitted in one step, so
-    computed alongside each other), then again (served from the cache)."""
+    """n > 1 in miniature: the same prompt several times at once (the first is prefilled, the
+    others wait for its blocks and share them), then again (all served from the cache)."""
     llm = LLM(path, skip_tokenizer_init=True, max_prefill_length=256)
     want = cold(BASE)
-    assert [o.token_ids for o in llm.generate([BASE] * 3, GREEDY)] == [want] * 3
-    assert [o.token_ids for o in llm.generate([BASE] * 3, GREEDY)] == [want] * 3
     stats = llm.engine.scheduler.allocator.prefix.stats
-    assert stats.hit_tokens == 3 * 48
+    assert [o.token_ids for o in llm.generate([BASE] * 3, GREEDY)] == [want] * 3
+    assert stats.hit_tokens == 2 * 48            # the prompt's 3 full blocks, twice shared
+    assert [o.token_ids for o in llm.generate([BASE] * 3, GREEDY)] == [want] * 3
+    assert stats.hit_tokens == 5 * 48
     llm.runner.allocator.check()
 
 

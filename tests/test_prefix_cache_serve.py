@@ -115,6 +115,20 @@ def test_metrics_and_instrumentation_report_the_cache(server):
     assert pc["counters"]["cached_blocks"] > 0 and pc["counters"]["hit_tokens"] >= hits
 
 
+def test_n_samples_share_one_prefill(server):
+    """n = 3 samples of one new prompt: the first prefills it, the other two take its full
+    blocks from the cache (the /metrics hits grow by two prompts' worth of blocks)."""
+    from test_operations import scrape
+    before = scrape(server)
+    msgs = [{"role": "system", "content": "Samples. " + SYSTEM}, TURN1[1]]
+    r = oai(server).chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, n=3,
+                                            temperature=1, seed=5, extra_body=NO_EOS)
+    after = scrape(server)
+    assert len(r.choices) == 3
+    hits = after[("freetoken_prefix_cache_hits_total", ())] - before[("freetoken_prefix_cache_hits_total", ())]
+    assert hits >= 2 * blocks_of(r.usage.prompt_tokens - 1)
+
+
 def test_no_enable_prefix_caching(model_dir):
     with ServerProcess(model_dir, "--no-enable-prefix-caching") as server:
         _, two = chat_turns(oai(server))

@@ -12,7 +12,8 @@ With prefix caching, a request admitted without blocks first takes the cached bl
 longest cached prefix (prefix_cache.py) and is prefilled from the first token they lack; at
 least its last token is always computed, so there are logits to sample from. After each step
 the blocks a request has completed are registered, so a preempted, finished or aborted
-request leaves them cached, not lost.
+request leaves them cached, not lost. A waiting request whose next blocks a running request
+is still prefilling waits for them (n > 1 samples of one prompt share a single prefill).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class Scheduler:
                and len(self.running) < self.config.max_running_requests):
             req = self.waiting[0]
             cached = self._cached_prefix(req)
+            if self._prefix_in_flight(req, len(cached)):
+                break      # its next blocks are being computed: take them from the cache soon
             start = req.num_computed_tokens + len(cached) * self.allocator.block_size
             n = min(req.num_tokens - start, budget)
             need = self.allocator.blocks_for(start + n) - len(req.block_ids) - len(cached)
@@ -146,6 +149,16 @@ class Scheduler:
         limit = (req.num_tokens - 1) // bs
         extend_hashes(req.block_hashes, req.token_ids, bs, limit * bs)
         return self.allocator.match(req.block_hashes[:limit])
+
+    def _prefix_in_flight(self, req: Request, num_cached: int) -> bool:
+        """True when the first block `req` would compute itself is a block a running request
+        is still prefilling (n > 1 samples of one prompt, or the same prompt sent twice): it
+        waits for that prefill and then shares the blocks instead of computing them again."""
+        if not self.caching or req.block_ids or num_cached >= len(req.block_hashes):
+            return False
+        wanted = req.block_hashes[num_cached]
+        return any(r.num_computed_tokens < r.num_prompt_tokens and wanted in r.block_hashes
+                   for r in self.running)
 
     def _take_prefix(self, req: Request, cached: list[int]) -> None:
         if not self.caching:
