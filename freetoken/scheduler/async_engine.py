@@ -157,12 +157,13 @@ class AsyncEngine:
                         self._in_step = False
                     deltas = self.core.finish_step(plan, result)
                     budget = self.core.scheduler.step_budget
-                    if budget is not None:
-                        budget.observe(sum(c.num_tokens for c in plan.scheduled),
-                                       time.perf_counter() - t0)
+                    if budget is not None and any(c.num_tokens > 1 for c in plan.scheduled):
+                        # Only steps that carried a prefill chunk: what a chunk costs.
+                        tokens = sum(c.num_tokens for c in plan.scheduled)
+                        budget.observe(tokens, time.perf_counter() - t0)
                         log.debug("step: %d tokens of %d requests in %.3f s; next chunk %d",
-                                  sum(c.num_tokens for c in plan.scheduled), len(plan.scheduled),
-                                  time.perf_counter() - t0, budget.chunk)
+                                  tokens, len(plan.scheduled), time.perf_counter() - t0,
+                                  budget.chunk)
                 self.metrics.on_step(time.perf_counter() - t0)
             except Exception as e:   # noqa: BLE001 - one bad step must not kill the server
                 log.exception("engine step failed; failing the requests it carried")
