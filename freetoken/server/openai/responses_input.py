@@ -35,6 +35,9 @@ def parse_responses_body(body: dict, parse_effort) -> tuple[ChatRequest, bool]:
     params = sampling_params(max_tokens=get_int(body, "max_output_tokens", None, 1),
                              **sampling_fields(body, max_temperature=2.0),
                              seed=get_seed(body),
+                             # vLLM's extensions, as on the other routes (benches, tests)
+                             ignore_eos=get_bool(body, "ignore_eos", False),
+                             min_tokens=get_int(body, "min_tokens", 0, 0),
                              structured_outputs=from_text_format(fmt) if fmt else None)
     req = ChatRequest(messages, params, tools, _tool_choice(body.get("tool_choice", "auto"), tools),
                       parse_effort(reasoning.get("effort"), "reasoning.effort"),
