@@ -4,7 +4,8 @@ A model's `cache_specs()` maps each layer index that keeps state to its spec; KV
 one pool per spec and the layer reads its own through the ForwardBatch it is given. Bytes per
 token come from the specs, so the engine sizes the cache (and /v1/instrumentation reports it)
 for whatever mix of layers a family has. Later kinds (an MLA latent, a recurrent state) are new
-spec classes here with their own allocation.
+spec classes here: each says how many bytes a token costs and allocates its own paged pool
+(`allocate`), so KVCache never branches on the kind.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ class AttentionSpec:
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+
+    def allocate(self, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, ...]:
+        """(k [NB, BS, Hk, Dk], v [NB, BS, Hk, Dv]): what `KVCache.layer(i)` returns."""
+        k = torch.zeros(num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                        dtype=dtype, device=device)
+        v = torch.zeros(num_blocks, block_size, self.num_kv_heads, self.v_head_dim,
+                        dtype=dtype, device=device)
+        return k, v
 
     def describe(self) -> str:
         window = f", window {self.sliding_window}" if self.sliding_window else ""

@@ -1,7 +1,7 @@
 """The paged KV cache: fixed-size blocks of token slots, and the allocator that hands them out.
 
-One pool per layer, shaped by the layer's AttentionSpec: keys [NB, BS, Hk, Dk] and values
-[NB, BS, Hk, Dv] (NB blocks of BS tokens). Every layer shares the block tables: a sequence owns
+One pool per layer, allocated by the layer's spec (cache_spec.py; for attention: keys
+[NB, BS, Hk, Dk] and values [NB, BS, Hk, Dv], NB blocks of BS tokens). Every layer shares the block tables: a sequence owns
 a block table (list of block ids); token position p lives in block table[p // BS] at offset
 p % BS of every layer's pool. The allocator exposes check/do pairs so the scheduler can plan
 before acting; it counts references so full blocks of a shared prefix can be shared and kept
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.engine.cache_spec import AttentionSpec, CacheSpec, bytes_per_token
+from freetoken.engine.cache_spec import CacheSpec, bytes_per_token
 from freetoken.engine.prefix_cache import PrefixCache
 
 
@@ -120,19 +120,16 @@ class KVCache:
                  device):
         self.specs = dict(specs)
         self.dtype = dtype
-        self._pools: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pools: dict[int, tuple[torch.Tensor, ...]] = {}
         for layer, spec in self.specs.items():
-            if not isinstance(spec, AttentionSpec):
+            if not hasattr(spec, "allocate"):
                 raise TypeError(f"layer {layer}: no KV pool for a {type(spec).__name__}")
-            k = torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.head_dim,
-                            dtype=dtype, device=device)
-            v = torch.zeros(num_blocks, block_size, spec.num_kv_heads, spec.v_head_dim,
-                            dtype=dtype, device=device)
-            self._pools[layer] = (k, v)
+            self._pools[layer] = spec.allocate(num_blocks, block_size, dtype, device)
         self.allocator = BlockAllocator(num_blocks, block_size)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache [NB, BS, Hk, Dk], v_cache [NB, BS, Hk, Dv]) of one layer."""
+    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
+        """The layer's pool as its spec allocated it (attention: k_cache [NB, BS, Hk, Dk],
+        v_cache [NB, BS, Hk, Dv])."""
         return self._pools[index]
 
     @property
