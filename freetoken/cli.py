@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "between tokens) takes about this long; 0: chunks of --max-prefill-length")
     s.add_argument("--kv-cache-tokens", type=_positive_int, metavar="N",
                    help="KV cache size in tokens (default: from free memory)")
+    s.add_argument("--max-state-slots", type=_positive_int, metavar="N",
+                   help="hybrid linear-attention models: per-request state slots (default: from "
+                        "free memory, at most 256); --max-running-requests is lowered to it")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of a prompt's cached prefix and keep finished requests' "
                         "full blocks cached until the space is needed (default: on)")
@@ -212,7 +215,8 @@ def serve(args) -> int:
                               allowed_origins=_origins(args.allowed_origins))
         engine = EngineConfig(model=model, device=_resolve_device(args), dtype=args.dtype,
                               max_model_len=args.max_seq_len_override,
-                              kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args))
+                              kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args),
+                              max_state_slots=args.max_state_slots)
         scheduler = SchedulerConfig(max_prefill_length=args.max_prefill_length,
                                     max_step_time_s=args.max_step_time_ms / 1e3 or None,
                                     max_running_requests=args.max_running_requests,

@@ -52,7 +52,8 @@ class LLM:
                  moe_cpu_threads: int | None = None, moe_hybrid_k: int | None = None,
                  pin_budget_gb: float | None = None, kv_reserve_tokens: int = 8192,
                  moe_prefetch: str | bool = "auto", moe_lfu_decay: float = 0.9,
-                 moe_trace: str | None = None, enable_prefix_caching: bool = True):
+                 moe_trace: str | None = None, enable_prefix_caching: bool = True,
+                 max_state_slots: int | None = None):
         # moe_*: where the experts live and run (see freetoken.moe.config.MoeConfig).
         from freetoken.demo.builtin import DEMO_NAME, demo_model_path
         if model == DEMO_NAME:            # the demo's served name, as `ft serve` with no model serves it
@@ -67,7 +68,7 @@ class LLM:
                         prefetch=moe_prefetch, lfu_decay=moe_lfu_decay, trace_path=moe_trace)
         self.engine_config = EngineConfig(
             model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-            kv_cache_tokens=kv_cache_tokens, block_size=block_size,
+            kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_state_slots=max_state_slots,
             skip_tokenizer_init=skip_tokenizer_init, kernel_backend=kernel_backend, moe=moe)
         self.runner = ModelRunner(self.engine_config)
         self.tokenizer = None
@@ -134,13 +135,19 @@ class LLM:
         """Float32 logits [T, vocab] for every position of `token_ids`, computed through the
         engine's paged-KV forward (optionally in prefill chunks of chunk_size)."""
         self.engine.check_prompt(list(token_ids), None, room_to_generate=False)
-        alloc = self.runner.allocator
+        alloc, slots = self.runner.allocator, self.runner.kv.slots
         n = len(token_ids)
+        if slots is not None and not slots.can_allocate():
+            raise RuntimeError("logits() needs a free linear-attention state slot: every one is "
+                               "held by a running request")
         blocks = alloc.allocate(alloc.blocks_for(n))
+        slot = slots.allocate() if slots is not None else -1
         try:
             step = chunk_size or n
-            rows = [self.runner.run([SeqChunk(list(token_ids[s:s + step]), s, blocks, True)],
+            rows = [self.runner.run([SeqChunk(list(token_ids[s:s + step]), s, blocks, True, slot)],
                                     all_logits=True) for s in range(0, n, step)]
         finally:
             alloc.free(blocks)
+            if slots is not None:
+                slots.free(slot)
         return torch.cat(rows).cpu()

@@ -81,6 +81,25 @@ VARIANTS = {
         "mha_clip": dict(num_attention_heads=4, num_key_value_heads=4, num_experts=6,
                          num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=0.5),
     },
+    # Hybrid linear attention (Gated DeltaNet) + gated full attention. Every parameter random,
+    # A_log and dt_bias included, so the recurrent state carries real memory across chunks.
+    "qwen3_next": {
+        "gqa_linear2x": dict(num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                               "linear_attention"],
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=16, linear_value_head_dim=8,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                             partial_rotary_factor=0.5, mlp_only_layers=[2]),
+    },
+    "qwen3_5_moe": {
+        "split_proj": dict(num_hidden_layers=3, layer_types=["linear_attention", "linear_attention",
+                                                             "full_attention"],
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                           linear_num_key_heads=2, linear_num_value_heads=2,
+                           linear_key_head_dim=8, linear_value_head_dim=16,
+                           num_experts=6, num_experts_per_tok=3),
+    },
 }
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -94,6 +113,8 @@ FAMILY_BASE = {
     "glm4_moe": dict(moe_intermediate_size=32, first_k_dense_replace=1),
     "minimax_m2": dict(intermediate_size=32),
     "ernie4_5_moe": dict(moe_intermediate_size=32),
+    "qwen3_next": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "qwen3_5_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=40),
 }
 
 
@@ -108,6 +129,8 @@ def hf_classes(family):
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
         "minimax_m2": (tf.MiniMaxM2Config, tf.MiniMaxM2ForCausalLM),
         "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
     }[family]
 
 

@@ -27,6 +27,10 @@ class ForwardBatch:
     max_seqlen_q: int            # longest query span in this batch (1 = pure decode)
     num_seqs: int
     kv: KVCache | None = None    # each layer's cache pool: batch.kv.layer(i)
+    # Linear-attention layers (hybrid models): each sequence's state slot, and whether the
+    # slot holds its state so far (False for a first prefill chunk: start from zeros).
+    state_slots: torch.Tensor | None = None        # [B] int32
+    has_initial_state: torch.Tensor | None = None  # [B] bool
 
     @property
     def num_tokens(self) -> int:

@@ -42,8 +42,46 @@ class AttentionSpec:
         return f"attention K/V {self.num_kv_heads}x{self.head_dim}/{self.v_head_dim}{window}"
 
 
-CacheSpec = AttentionSpec      # the union of the kinds there are
-
-
 def bytes_per_token(specs: dict[int, CacheSpec], dtype: torch.dtype) -> int:
     return sum(spec.bytes_per_token(dtype) for spec in specs.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentStateSpec:
+    """A linear-attention layer's state (Gated DeltaNet): per request, not per token. One slot
+    per running request (state_slots.py): the recurrent state [Hv, Dk, Dv] in float32 (it sums
+    the whole history, so it never rounds to the model dtype) and the causal conv's last W-1
+    inputs [C, W-1] in the model dtype. A request's slot is the same row of every such layer."""
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_channels: int
+    conv_kernel: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 0            # the state does not grow with the context
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return (self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+                + self.conv_channels * (self.conv_kernel - 1) * elem)
+
+    def allocate_slots(self, num_slots: int, dtype, device) -> tuple[torch.Tensor, ...]:
+        """(state [S, Hv, Dk, Dv] float32, conv [S, C, W-1]): what `KVCache.layer(i)` returns."""
+        state = torch.zeros(num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                            dtype=torch.float32, device=device)
+        conv = torch.zeros(num_slots, self.conv_channels, self.conv_kernel - 1, dtype=dtype,
+                           device=device)
+        return state, conv
+
+    def describe(self) -> str:
+        return (f"recurrent state {self.num_v_heads}x{self.head_k_dim}x{self.head_v_dim} f32, "
+                f"conv {self.conv_channels}x{self.conv_kernel - 1} per request")
+
+
+def bytes_per_slot(specs: dict, dtype: torch.dtype) -> int:
+    """Bytes one request's state slot costs across every layer that keeps one."""
+    return sum(s.bytes_per_slot(dtype) for s in specs.values() if hasattr(s, "allocate_slots"))
+
+
+CacheSpec = AttentionSpec | RecurrentStateSpec      # the union of the kinds there are

@@ -20,6 +20,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     kernel_backend: str = "auto"    # auto | triton | reference
     moe: MoeConfig = dataclasses.field(default_factory=MoeConfig)   # where experts live and run
+    # Hybrid linear-attention models: requests that can hold a state slot at once. None: sized
+    # from memory (model_runner), at most AUTO_STATE_SLOTS.
+    max_state_slots: int | None = None
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -30,5 +33,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must be at least one block ({self.block_size})")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
+        if self.max_state_slots is not None and self.max_state_slots < 1:
+            raise ValueError("max_state_slots must be positive")
         if not isinstance(self.moe, MoeConfig):
             raise ValueError(f"moe must be a MoeConfig, got {type(self.moe).__name__}")

@@ -6,14 +6,17 @@ a block table (list of block ids); token position p lives in block table[p // BS
 p % BS of every layer's pool. The allocator exposes check/do pairs so the scheduler can plan
 before acting; it counts references so full blocks of a shared prefix can be shared and kept
 cached after their sequences end (prefix_cache.py). Layers find their pool through the ForwardBatch (`batch.kv.layer(i)`).
+Linear-attention layers keep per-request state instead: a slot pool per layer and one
+SlotAllocator for them all (state_slots.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from freetoken.engine.cache_spec import CacheSpec, bytes_per_token
+from freetoken.engine.cache_spec import CacheSpec, bytes_per_slot, bytes_per_token
 from freetoken.engine.prefix_cache import PrefixCache
+from freetoken.engine.state_slots import SlotAllocator
 
 
 class BlockAllocator:
@@ -114,29 +117,56 @@ class BlockAllocator:
 
 
 class KVCache:
-    """Allocates each layer's pool from its spec; one allocator for the shared block tables."""
+    """Allocates each layer's pool from its spec; one allocator for the shared block tables,
+    and (for the specs that keep per-request state, `allocate_slots`) one slot allocator for
+    the state slots every such layer shares (state_slots.py)."""
 
     def __init__(self, specs: dict[int, CacheSpec], num_blocks: int, block_size: int, dtype,
-                 device):
+                 device, num_slots: int = 0):
         self.specs = dict(specs)
         self.dtype = dtype
         self._pools: dict[int, tuple[torch.Tensor, ...]] = {}
+        slotted = [i for i, s in self.specs.items() if hasattr(s, "allocate_slots")]
+        if slotted and num_slots < 1:
+            raise ValueError(f"layers {slotted} keep per-request state: give num_slots >= 1")
         for layer, spec in self.specs.items():
-            if not hasattr(spec, "allocate"):
+            if layer in slotted:
+                self._pools[layer] = spec.allocate_slots(num_slots, dtype, device)
+            elif hasattr(spec, "allocate"):
+                self._pools[layer] = spec.allocate(num_blocks, block_size, dtype, device)
+            else:
                 raise TypeError(f"layer {layer}: no KV pool for a {type(spec).__name__}")
-            self._pools[layer] = spec.allocate(num_blocks, block_size, dtype, device)
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.slots = SlotAllocator(num_slots) if slotted else None
 
     def layer(self, index: int) -> tuple[torch.Tensor, ...]:
         """The layer's pool as its spec allocated it (attention: k_cache [NB, BS, Hk, Dk],
-        v_cache [NB, BS, Hk, Dv])."""
+        v_cache [NB, BS, Hk, Dv]; recurrent: state [S, Hv, Dk, Dv] f32, conv [S, C, W-1])."""
         return self._pools[index]
 
     @property
     def bytes_per_token(self) -> int:
         return bytes_per_token(self.specs, self.dtype)
 
+    @property
+    def bytes_per_slot(self) -> int:
+        return bytes_per_slot(self.specs, self.dtype)
+
     def describe(self) -> list[dict]:
         """Per layer, what it keeps: for /v1/instrumentation."""
-        return [{"layer": i, "kind": type(s).__name__, "spec": s.describe(),
-                 "bytes_per_token": s.bytes_per_token(self.dtype)} for i, s in self.specs.items()]
+        out = []
+        for i, s in self.specs.items():
+            row = {"layer": i, "kind": type(s).__name__, "spec": s.describe(),
+                   "bytes_per_token": s.bytes_per_token(self.dtype)}
+            if hasattr(s, "bytes_per_slot"):
+                row["bytes_per_slot"] = s.bytes_per_slot(self.dtype)
+            out.append(row)
+        return out
+
+    def slots_report(self) -> dict | None:
+        """The state slots (hybrid linear-attention models), for /v1/instrumentation."""
+        if self.slots is None:
+            return None
+        return {"slots": self.slots.num_slots, "used": self.slots.num_used,
+                "free": self.slots.num_free, "bytes_per_slot": self.bytes_per_slot,
+                "bytes": self.slots.num_slots * self.bytes_per_slot}

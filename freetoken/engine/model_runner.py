@@ -20,7 +20,7 @@ import torch
 import triton_kernels
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.config import EngineConfig
-from freetoken.engine.cache_spec import bytes_per_token
+from freetoken.engine.cache_spec import bytes_per_slot, bytes_per_token
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
                                      resolve_model_path)
@@ -31,6 +31,9 @@ from freetoken.utils.memory import host_available_bytes
 
 log = logging.getLogger("freetoken.engine")
 
+# State slots an automatically sized pool holds at most (vLLM's default max_num_seqs).
+AUTO_STATE_SLOTS = 256
+
 
 @dataclasses.dataclass
 class SeqChunk:
@@ -38,6 +41,7 @@ class SeqChunk:
     start: int               # position of token_ids[0] (= tokens already in the KV cache)
     block_ids: list[int]     # the sequence's block table, covering start + len(token_ids)
     want_logits: bool        # sample after this chunk (its last token is the newest)
+    state_slot: int = -1     # hybrid models: the sequence's state slot (state_slots.py)
 
 
 class ModelRunner:
@@ -70,12 +74,19 @@ class ModelRunner:
                         "a trace needs experts in host RAM (e.g. moe_backend=offload)",
                         config.moe.trace_path, self.moe_plan.reason)
         self.model.init_rope(self.max_model_len, self.device)
-        num_blocks = self._num_kv_blocks()
-        self.kv = KVCache(self.cache_specs, num_blocks, config.block_size, self.dtype, self.device)
+        num_slots = self._num_state_slots()
+        per_slot = bytes_per_slot(self.cache_specs, self.dtype)
+        num_blocks = self._num_kv_blocks(num_slots * per_slot)
+        self.kv = KVCache(self.cache_specs, num_blocks, config.block_size, self.dtype, self.device,
+                          num_slots)
         log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %d bytes per token)",
                  num_blocks, config.block_size, num_blocks * config.block_size,
                  num_blocks * config.block_size * self.kv.bytes_per_token / 2**20,
                  self.kv.bytes_per_token)
+        if num_slots:
+            log.info("state slots: %d (%.1f MiB, %d bytes per request across %d linear-attention "
+                     "layers)", num_slots, num_slots * per_slot / 2**20, per_slot,
+                     sum(1 for s in self.cache_specs.values() if hasattr(s, "allocate_slots")))
 
     def _plan_moe(self, model, blocks) -> MoePlan:
         """Resolve EngineConfig.moe against the meta-built model and the free memory."""
@@ -141,19 +152,45 @@ class ModelRunner:
                     "hybrid_k": None, "prefetch": "off", "counters": None}
         return {**report, **self.moe.report()}
 
-    def _num_kv_blocks(self) -> int:
-        """Enough blocks for at least one sequence of max_model_len, more if memory allows."""
+    def _cache_budget(self) -> int:
+        """Bytes the caches (KV blocks and state slots) may take: the device's free memory
+        less the reserve on CUDA, cpu_kv_cache_gb on the CPU."""
         cfg = self.config
-        per_token = bytes_per_token(self.cache_specs, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return int(max(free - total * (1 - cfg.gpu_memory_utilization), 0))
+        return int(cfg.cpu_kv_cache_gb * 2**30)
+
+    def _num_state_slots(self) -> int:
+        """Hybrid models: max_state_slots, or as many as half the cache budget holds (at most
+        AUTO_STATE_SLOTS) while leaving one max_model_len sequence its KV; 0 without
+        linear-attention layers."""
+        per_slot = bytes_per_slot(self.cache_specs, self.dtype)
+        if per_slot == 0:
+            return 0
+        if self.config.max_state_slots is not None:
+            return self.config.max_state_slots
+        budget = self._cache_budget()
+        room = budget - self.max_model_len * bytes_per_token(self.cache_specs, self.dtype)
+        slots = min(AUTO_STATE_SLOTS, int(min(room, budget // 2) // per_slot))
+        if slots < 1:
+            raise RuntimeError(
+                f"no room for one request's linear-attention state ({per_slot / 2**20:.1f} MiB) "
+                f"beside the KV of max_model_len {self.max_model_len} tokens; lower "
+                f"max_model_len or give the cache more memory")
+        return slots
+
+    def _num_kv_blocks(self, reserved: int = 0) -> int:
+        """Enough blocks for at least one sequence of max_model_len, more if memory allows
+        (after `reserved` bytes of state slots)."""
+        cfg = self.config
+        per_token = max(bytes_per_token(self.cache_specs, self.dtype), 1)
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = total * (1 - cfg.gpu_memory_utilization)
-            tokens = int(max(free - reserve, 0) // per_token)
         else:
-            tokens = int(cfg.cpu_kv_cache_gb * 2**30 // per_token)
-            tokens = min(tokens, max(4 * self.max_model_len, 65536))
+            tokens = int(max(self._cache_budget() - reserved, 0) // per_token)
+            if self.device.type != "cuda":
+                tokens = min(tokens, max(4 * self.max_model_len, 65536))
         if tokens < self.max_model_len:
             if cfg.kv_cache_tokens is not None or self.device.type == "cuda":
                 raise RuntimeError(
@@ -199,7 +236,20 @@ class ModelRunner:
             max_seqlen_q=max(len(c.token_ids) for c in chunks),
             num_seqs=len(chunks),
             kv=self.kv,
+            **self._state_rows(chunks, to_dev),
         )
+
+    def _state_rows(self, chunks: list[SeqChunk], to_dev) -> dict:
+        """Hybrid models: each sequence's state slot, and whether it already holds the state
+        of the tokens before this chunk (a first prefill chunk starts from zeros)."""
+        if self.kv.slots is None:
+            return {}
+        bad = [c.state_slot for c in chunks if not 0 <= c.state_slot < self.kv.slots.num_slots]
+        if bad:
+            raise ValueError(f"a sequence has no state slot ({bad[0]}): this model's "
+                             f"linear-attention layers need one per sequence")
+        return {"state_slots": to_dev([c.state_slot for c in chunks], torch.int32),
+                "has_initial_state": to_dev([c.start > 0 for c in chunks], torch.bool)}
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], all_logits: bool = False) -> torch.Tensor:

@@ -50,23 +50,27 @@ def parse(raw: dict, model_dir) -> QwenMoeConfig:
     return parse_qwen(raw, model_dir, qk_norm=False, attention_bias=True)
 
 
-def qwen_layer(cfg: QwenMoeConfig, i: int, rope) -> DecoderLayer:
-    attn = Attention(AttentionConfig(
-        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-        cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
-        qk_norm="head" if cfg.qk_norm else None), i, rope)
+def qwen_mlp(cfg: QwenMoeConfig, i: int) -> DenseMLP | SparseMoeBlock:
+    """Layer i's MLP: dense, or the sparse block with its sigmoid-gated shared expert (also
+    Qwen3-Next's and Qwen3.5's)."""
     if not cfg.is_moe_layer(i):
-        return DecoderLayer(attn, DenseMLP(cfg.hidden_size, cfg.intermediate_size),
-                            cfg.hidden_size, cfg.rms_norm_eps)
+        return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
     gate = Router(cfg.hidden_size, RouterConfig(
         cfg.num_experts, cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
         weights_in_model_dtype=True))
     experts = ExpertBank(cfg.num_experts, ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size,
                                                        gate.weight.dtype))
     shared = cfg.shared_expert_intermediate_size
-    moe = SparseMoeBlock(gate, experts, DenseMLP(cfg.hidden_size, shared) if shared else None,
-                         shared_name="shared_expert", shared_gate=bool(shared))
-    return DecoderLayer(attn, moe, cfg.hidden_size, cfg.rms_norm_eps)
+    return SparseMoeBlock(gate, experts, DenseMLP(cfg.hidden_size, shared) if shared else None,
+                          shared_name="shared_expert", shared_gate=bool(shared))
+
+
+def qwen_layer(cfg: QwenMoeConfig, i: int, rope) -> DecoderLayer:
+    attn = Attention(AttentionConfig(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
+        qk_norm="head" if cfg.qk_norm else None), i, rope)
+    return DecoderLayer(attn, qwen_mlp(cfg, i), cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):

@@ -29,9 +29,6 @@ from freetoken.scheduler.scheduler import ScheduledChunk, Scheduler
 log = logging.getLogger("freetoken.engine")
 
 
-log = logging.getLogger("freetoken.engine")
-
-
 def context_warning(mc, max_model_len: int) -> str | None:
     """A context beyond what the model was trained for (a gateway's --max-seq-len-override
     cannot see the model): the trained length from max_position_embeddings, or what its RoPE
@@ -146,8 +143,9 @@ class EngineCore:
         self.runner = runner
         self.prefill_timer = PrefillTimer(runner.device) if instrument_prefill else None
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(self._resolve_prefix_caching(scheduler_config, runner),
-                                   runner.allocator)
+        scheduler_config = self._resolve_slots(
+            self._resolve_prefix_caching(scheduler_config, runner), runner)
+        self.scheduler = Scheduler(scheduler_config, runner.allocator, runner.kv.slots)
         self.requests: dict[str, Request] = {}
         self.streams: dict[str, TextStream] = {}
         # request id -> output tokens the sampler must pick first (scripted output, for tests)
@@ -173,6 +171,17 @@ class EngineCore:
             return config
         log.info("prefix caching off: %s", reason)
         return dataclasses.replace(config, enable_prefix_caching=False)
+
+    @staticmethod
+    def _resolve_slots(config: SchedulerConfig, runner) -> SchedulerConfig:
+        """Hybrid models: no more running requests than state slots (each holds one)."""
+        slots = runner.kv.slots
+        if slots is None or config.max_running_requests <= slots.num_slots:
+            return config
+        log.info("max_running_requests %d lowered to %d: each running request holds one of the "
+                 "%d linear-attention state slots", config.max_running_requests, slots.num_slots,
+                 slots.num_slots)
+        return dataclasses.replace(config, max_running_requests=slots.num_slots)
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -294,7 +303,8 @@ class EngineCore:
     def _chunk(self, s: ScheduledChunk) -> SeqChunk:
         r = s.request
         start = r.num_computed_tokens
-        return SeqChunk(r.token_ids(start, start + s.num_tokens), start, r.block_ids, s.samples)
+        return SeqChunk(r.token_ids(start, start + s.num_tokens), start, r.block_ids, s.samples,
+                        -1 if r.state_slot is None else r.state_slot)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledChunk], logits):
         """From a forward's logits [T, V] (every position): the prompt logprobs of the requests

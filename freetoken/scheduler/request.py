@@ -35,6 +35,7 @@ class Request:
         self.stop_reason: str | int | None = None  # the stop string or token that ended it
         self.num_computed_tokens = 0          # tokens whose K/V are in the cache
         self.block_ids: list[int] = []
+        self.state_slot: int | None = None    # hybrid models: its linear-attention state slot
         # Prefix caching (scheduler.py): the hash chain of its full blocks, how many of its
         # blocks are registered in the cache, and for usage: prompt tokens found cached at
         # admission, and prompt tokens this request's blocks added to the cache.

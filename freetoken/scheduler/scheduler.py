@@ -8,6 +8,11 @@ budget, the running-request cap and free KV blocks allow. When a running request
 block and none is free, the newest running request is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (prompt + output so far) later.
 
+Hybrid linear-attention models also keep one state slot per running request
+(engine/state_slots.py): a request is admitted only when a slot and its blocks are both
+free, and gives its slot back when it finishes, is aborted or is preempted (it then recomputes
+its state with its tokens). The slot count bounds the running requests.
+
 With prefix caching, a request admitted without blocks first takes the cached blocks of its
 longest cached prefix (prefix_cache.py) and is prefilled from the first token they lack; at
 least its last token is always computed, so there are logits to sample from. After each step
@@ -23,6 +28,7 @@ import dataclasses
 
 from freetoken.engine.kv_cache import BlockAllocator
 from freetoken.engine.prefix_cache import extend_hashes
+from freetoken.engine.state_slots import SlotAllocator
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.request import Request, RequestStatus
 from freetoken.scheduler.step_budget import StepBudget
@@ -41,9 +47,11 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator,
+                 slots: SlotAllocator | None = None):
         self.config = config
         self.allocator = allocator
+        self.slots = slots          # None: the model keeps no per-request state
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -62,6 +70,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._free_blocks(request)
+        self._free_slot(request)
 
     @property
     def has_work(self) -> bool:
@@ -99,14 +108,19 @@ class Scheduler:
             need = self.allocator.blocks_for(start + n) - len(req.block_ids) - len(cached)
             if not self.allocator.can_allocate(need, reuse=cached):
                 break
+            if self.slots is not None and not self.slots.can_allocate():
+                break
             self._take_prefix(req, cached)
             req.block_ids += self.allocator.allocate(need)
+            if self.slots is not None:
+                req.state_slot = self.slots.allocate()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(ScheduledChunk(req, n))
             budget -= n
-        return scheduled
+        # A request scheduled above and then preempted for a later one's blocks runs nothing.
+        return [s for s in scheduled if s.request.status is RequestStatus.RUNNING]
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         """Give `req` blocks for num_tokens, preempting newer requests; False if req itself
@@ -124,11 +138,17 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._free_blocks(req)
+        self._free_slot(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _free_slot(self, req: Request) -> None:
+        if req.state_slot is not None:
+            self.slots.free(req.state_slot)
+            req.state_slot = None
 
     def _free_blocks(self, req: Request) -> None:
         if req.block_ids:

@@ -256,12 +256,14 @@ class ServingApp:
                          "tokens": alloc.num_blocks * alloc.block_size, "free_blocks": alloc.num_free,
                          "bytes_per_token": runner.kv.bytes_per_token,
                          "layers": runner.kv.describe()},
+            "state_slots": runner.kv.slots_report(),
             "scheduler": {"max_prefill_length": self.scheduler_config.max_prefill_length,
                           "max_step_time_s": self.scheduler_config.max_step_time_s,
                           "prefill_chunk": (self.engine.core.scheduler.step_budget.chunk
                                             if self.engine.core.scheduler.step_budget else
                                             self.scheduler_config.max_prefill_length),
-                          "max_running_requests": self.scheduler_config.max_running_requests},
+                          # resolved: a hybrid model lowers it to its state slots
+                          "max_running_requests": self.engine.core.scheduler.config.max_running_requests},
             "prefix_cache": prefix_cache_report(self.engine.core, self.scheduler_config),
             "warmup": self.warmup_report,
             "chat": self.meta.describe(),

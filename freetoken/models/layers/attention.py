@@ -1,5 +1,6 @@
 """Self-attention over the paged KV cache, configured by data: GQA, q/k/v and o biases, q/k
-RMSNorm per head or across all heads, partial rotary, a sliding window, per-head sinks.
+RMSNorm per head or across all heads (zero-centred or not), partial rotary, a sliding window,
+per-head sinks, a sigmoid output gate (Qwen3-Next/Qwen3.5: q_proj also yields the gate).
 
 Each layer declares what it keeps (`cache_spec()`), the engine allocates it, and the forward
 reads its pool from the batch (`batch.kv.layer(i)`). Shapes: T tokens, D hidden, Hq/Hk query
@@ -34,6 +35,10 @@ class AttentionConfig:
     sinks: bool = False                 # gpt-oss: a learned logit per head in the softmax
     clip_qkv: float | None = None       # olmoe: clamp q, k, v (after the norms) to +-clip
     rope_interleaved: bool = False      # ERNIE: rotate dims (2i, 2i+1), not (i, i + R/2)
+    # Qwen3-Next/Qwen3.5: q_proj yields [q | gate] per head ([T, H, 2*Dh]); the output is
+    # o * sigmoid(gate) before o_proj.
+    output_gate: bool = False
+    qk_norm_offset: float = 0.0         # 1.0: zero-centred q/k norms (scale 1 + w)
 
     def __post_init__(self):
         if self.qk_norm not in (None, "head", "all"):
@@ -47,17 +52,19 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = self.head_dim ** -0.5
         d, hd = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=cfg.qkv_bias)
+        q_width = self.num_heads * hd * (2 if cfg.output_gate else 1)
+        self.q_proj = nn.Linear(d, q_width, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=cfg.o_bias)
         self.q_norm = self.k_norm = None
+        off = cfg.qk_norm_offset
         if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, off)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, off)
         elif cfg.qk_norm == "all":
-            self.q_norm = RMSNorm(self.num_heads * hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.num_kv_heads * hd, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.num_heads * hd, cfg.rms_norm_eps, off)
+            self.k_norm = RMSNorm(self.num_kv_heads * hd, cfg.rms_norm_eps, off)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.sinks else None
 
     def cache_spec(self) -> AttentionSpec:
@@ -67,6 +74,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)      # [T, H*Dh]
+        gate = None
+        if self.cfg.output_gate:        # [T, H, 2*Dh] -> q [T, H*Dh], gate [T, H*Dh]
+            q, gate = q.view(t, self.num_heads, 2 * hd).chunk(2, dim=-1)
+            q, gate = q.reshape(t, -1), gate.reshape(t, -1)
         if self.cfg.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.clip_qkv is not None:
@@ -89,4 +100,7 @@ class Attention(nn.Module):
             extra["sinks"] = self.sinks
         o = tk.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
                                batch.seq_lens, self.scale, batch.max_seqlen_q, **extra)
-        return self.o_proj(o.reshape(t, self.num_heads * hd))
+        o = o.reshape(t, self.num_heads * hd)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)

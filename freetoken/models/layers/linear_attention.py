@@ -1,0 +1,134 @@
+"""Gated DeltaNet (linear attention) over per-request state slots: Qwen3-Next, Qwen3.5/3.6.
+
+Per token t of a sequence, with Hk key heads of Dk and Hv value heads of Dv (each key head
+serves Hv/Hk consecutive value heads):
+    q, k, v = silu(causal_conv1d([q | k | v] projections))     (W-wide depthwise conv)
+    g = -exp(A_log) * softplus(a + dt_bias)   (log decay, per value head), beta = sigmoid(b)
+    S = S * exp(g);  S += k^T (beta (v - k S));  o = (q / sqrt(Dk)) S   (q, k l2-normed)
+    out = out_proj(rmsnorm(o) * w * silu(z))                   (the gated RMSNorm, per head)
+The state S [Hv, Dk, Dv] (float32) and the conv's last W-1 inputs live in the request's slot
+of this layer's pool (`batch.kv.layer(i)`, cache_spec.RecurrentStateSpec); a first prefill
+chunk starts from zeros (batch.has_initial_state), later chunks and decodes carry on from the
+slot, so chunked prefill and batched decode run in the same flat forward as attention.
+
+Projections, as data: Qwen3.5 splits them (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a);
+Qwen3-Next fuses them per key head (in_proj_qkvz: [q | k | v | z] per key head, in_proj_ba:
+[b | a] per key head), un-interleaved here. Shapes: T tokens, D hidden, C conv channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import triton_kernels as tk
+from freetoken.engine.batch import ForwardBatch
+from freetoken.engine.cache_spec import RecurrentStateSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    rms_norm_eps: float = 1e-6
+    fused_projections: bool = False     # Qwen3-Next's in_proj_qkvz / in_proj_ba
+
+    def __post_init__(self):
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear attention: {self.num_v_heads} value heads is not a multiple "
+                             f"of {self.num_k_heads} key heads")
+        if self.conv_kernel < 2:
+            raise ValueError(f"linear attention: conv kernel {self.conv_kernel} must be >= 2")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+class GatedRMSNorm(nn.Module):
+    """rmsnorm(x) * weight * silu(gate), per head: x, gate [N, Dv] (HF's RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (tk.rms_norm(x, self.weight, self.eps) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """HF's `linear_attn`: projections, conv1d, A_log / dt_bias, the gated norm, out_proj."""
+
+    def __init__(self, cfg: LinearAttentionConfig, layer_idx: int):
+        super().__init__()
+        self.cfg, self.layer_idx = cfg, layer_idx
+        d, hv = cfg.hidden_size, cfg.num_v_heads
+        if cfg.fused_projections:
+            self.in_proj_qkvz = nn.Linear(d, cfg.conv_dim + cfg.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(d, 2 * hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(d, cfg.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(d, cfg.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(d, hv, bias=False)
+            self.in_proj_a = nn.Linear(d, hv, bias=False)
+        # Depthwise: HF's nn.Conv1d weight [C, 1, W], no bias.
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(cfg.value_dim, d, bias=False)
+
+    def cache_spec(self) -> RecurrentStateSpec:
+        c = self.cfg
+        return RecurrentStateSpec(c.num_v_heads, c.head_k_dim, c.head_v_dim, c.conv_dim,
+                                  c.conv_kernel)
+
+    def _project(self, x: torch.Tensor):
+        """x [T, D] -> (qkv [T, C] as [q heads | k heads | v heads], z [T, Hv*Dv], b, a [T, Hv])."""
+        c, t = self.cfg, x.shape[0]
+        if not c.fused_projections:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        r = c.num_v_heads // c.num_k_heads
+        # Per key head: [q Dk | k Dk | v r*Dv | z r*Dv] and [b r | a r].
+        q, k, v, z = self.in_proj_qkvz(x).view(t, c.num_k_heads, -1).split(
+            [c.head_k_dim, c.head_k_dim, r * c.head_v_dim, r * c.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, c.num_k_heads, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return qkv, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        c, t = self.cfg, x.shape[0]
+        qkv, z, b, a = self._project(x)
+        state, conv_state = batch.kv.layer(self.layer_idx)
+        qkv = tk.causal_conv1d(qkv.contiguous(), self.conv1d.weight.squeeze(1), None, conv_state,
+                               batch.state_slots, batch.cu_seqlens_q, batch.has_initial_state,
+                               activation="silu")                           # [T, C]
+        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = q.reshape(t, c.num_k_heads, c.head_k_dim)
+        k = k.reshape(t, c.num_k_heads, c.head_k_dim)
+        v = v.reshape(t, c.num_v_heads, c.head_v_dim)
+        beta = torch.sigmoid(b)                                              # [T, Hv]
+        # float32 first: in half precision exp(A_log) * softplus could overflow to -inf.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        o = tk.gated_delta_rule(q, k, v, g, beta, state, batch.state_slots, batch.cu_seqlens_q,
+                                batch.has_initial_state, c.head_k_dim ** -0.5,
+                                use_qk_l2norm=True)                          # [T, Hv, Dv]
+        o = self.norm(o.reshape(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim))
+        return self.out_proj(o.reshape(t, c.value_dim))
