@@ -14,7 +14,7 @@ import torch
 
 from freetoken import LLM, SamplingParams
 from freetoken.engine.state_slots import SlotAllocator
-from hf_checkpoints import BASE, FAMILY_BASE, VARIANTS, cached_checkpoint, redraw_weights
+from hf_checkpoints import BASE, FAMILY_BASE, HYBRID_VARIANTS, cached_checkpoint, redraw_weights
 
 HYBRID = [("qwen3_next", "gqa_linear2x"), ("qwen3_5_moe", "split_proj")]
 IDS = [f for f, _ in HYBRID]
@@ -154,7 +154,8 @@ def test_released_vl_layout_loads_and_matches_transformers(tmp_path, caplog):
     model.language_model. prefix, a vision tower; the text server skips the tower, saying so,
     and computes what transformers' wrapper computes for text."""
     import transformers as tf
-    kwargs = {**BASE, **FAMILY_BASE["qwen3_5_moe"], **VARIANTS["qwen3_5_moe"]["split_proj"]}
+    kwargs = {**BASE, **FAMILY_BASE["qwen3_5_moe"],
+              **HYBRID_VARIANTS["qwen3_5_moe"]["split_proj"]}
     vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=64,
                   patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
                   num_position_embeddings=16)
@@ -173,3 +174,24 @@ def test_released_vl_layout_loads_and_matches_transformers(tmp_path, caplog):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     assert rel_err(llm.logits(ids), ref) < 1e-4
+
+
+# The MoE block is the shared SparseMoeBlock, so every expert backend serves hybrid models.
+BACKENDS = [("qwen3_next", dict(moe_backend="offload", moe_cache_size=8)),
+            ("qwen3_5_moe", dict(moe_backend="cpu")),
+            ("qwen3_5_moe", dict(moe_backend="hybrid", moe_cache_size=6, moe_hybrid_k=1))]
+
+
+@pytest.mark.parametrize("family,kwargs", BACKENDS, ids=[k["moe_backend"] for _, k in BACKENDS])
+def test_expert_backends_match_resident(ckpt_root, family, kwargs, monkeypatch, tmp_path):
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))     # no saved bandwidth profile
+    path = str(cached_checkpoint(ckpt_root, family, dict(HYBRID)[family]))
+    prompts = [prompt(n, 60 + n) for n in (3, 20, 33)]
+    resident = LLM(path, skip_tokenizer_init=True, max_prefill_length=16)
+    want = [o.token_ids for o in resident.generate(prompts, GREEDY)]
+    llm = LLM(path, skip_tokenizer_init=True, max_prefill_length=16, **kwargs)
+    assert llm.runner.moe_report()["backend"] == kwargs["moe_backend"]
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert rel_err(llm.logits(prompts[2]), resident.logits(prompts[2])) < 1e-5
+    assert llm.runner.moe_report()["counters"]["lookups" if kwargs["moe_backend"] != "cpu"
+                                               else "cpu_experts"] > 0
