@@ -14,6 +14,7 @@ import torch
 
 from freetoken import LLM, SamplingParams
 from freetoken.engine.state_slots import SlotAllocator
+from tiny_fixtures import tiny_model_dir  # noqa: F401 - a fixture
 from hf_checkpoints import BASE, FAMILY_BASE, HYBRID_VARIANTS, cached_checkpoint, redraw_weights
 
 HYBRID = [("qwen3_next", "gqa_linear2x"), ("qwen3_5_moe", "split_proj")]
@@ -195,3 +196,61 @@ def test_expert_backends_match_resident(ckpt_root, family, kwargs, monkeypatch, 
     assert rel_err(llm.logits(prompts[2]), resident.logits(prompts[2])) < 1e-5
     assert llm.runner.moe_report()["counters"]["lookups" if kwargs["moe_backend"] != "cpu"
                                                else "cpu_experts"] > 0
+
+
+TINY = dict(hidden_size=64, num_experts=4, moe_intermediate_size=16,
+            shared_expert_intermediate_size=32)
+
+
+@pytest.mark.parametrize("family", IDS)
+def test_tiny_hub_layout_loads_in_transformers_and_matches(tiny_model_dir, family):  # noqa: F811
+    """make_tiny_model's hub layout (qwen3_5_moe: the released VL wrapper with its vision tower
+    and MTP head) is what transformers loads, key for key, and what we compute."""
+    import transformers as tf
+    path = tiny_model_dir(family, **TINY)
+    cls = (tf.Qwen3NextForCausalLM if family == "qwen3_next"
+           else tf.Qwen3_5MoeForConditionalGeneration)
+    hf, info = cls.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    ids = prompt(70, 9)
+    with torch.no_grad():
+        ref = hf.eval()(input_ids=torch.tensor([ids])).logits[0]
+    assert rel_err(LLM(str(path), skip_tokenizer_init=True).logits(ids), ref) < 1e-4
+
+
+def test_warmup_ladder_runs_through_the_slots(ckpt_root):
+    from freetoken.scheduler.warmup import run_warmup
+    llm = LLM(str(cached_checkpoint(ckpt_root, *HYBRID[0])), skip_tokenizer_init=True,
+              max_prefill_length=16, max_model_len=64)
+    report = run_warmup(llm.engine, max_depth=40)
+    assert report["extend_lengths"][-1] == 16 and report["depth"] == 40
+    assert llm.runner.kv.slots.num_used == 0 and not llm.engine.has_work
+
+
+@pytest.mark.parametrize("family", IDS)
+def test_serves_through_ft_serve_with_the_openai_sdk(tiny_model_dir, family):  # noqa: F811
+    import openai
+
+    from serving import ServerProcess
+    path = tiny_model_dir(family, name=f"tiny-{family}", **TINY)
+    with ServerProcess(path, "--max-prefill-length", "16", "--max-state-slots", "3") as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="none")
+        messages = [{"role": "user", "content": "Tell me about the sea and the sky."}]
+        whole = client.chat.completions.create(model=f"tiny-{family}", messages=messages,
+                                               max_tokens=12, temperature=0)
+        stream = client.chat.completions.create(model=f"tiny-{family}", messages=messages,
+                                                max_tokens=12, temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert whole.usage.completion_tokens > 0 and text == whole.choices[0].message.content
+        status, body = server.request("GET", "/v1/instrumentation")
+        assert status == 200
+        slots = body["state_slots"]
+        per_slot = sum(layer["bytes_per_slot"] for layer in body["kv_cache"]["layers"]
+                       if layer["kind"] == "RecurrentStateSpec")
+        assert slots["slots"] == 3 and slots["used"] == 0 and slots["bytes_per_slot"] == per_slot
+        assert slots["bytes"] == 3 * per_slot > 0
+        assert body["scheduler"]["max_running_requests"] == 3
+        assert body["prefix_cache"]["enabled"] is False
+        logs = server.logs()
+    assert "prefix caching off" in logs
+    assert ("vision tower (model.visual.*) is not loaded" in logs) == (family == "qwen3_5_moe")

@@ -5,7 +5,8 @@
     python tools/make_tiny_model.py --family mixtral --out /tmp/tiny-mx --max-shard-mb 1
     python tools/make_tiny_model.py --family glm4_moe --out /tmp/tiny-glm --no-mtp
 
-Families: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe, minimax_m2, olmoe, ernie4_5_moe.
+Families: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe, minimax_m2, olmoe, ernie4_5_moe,
+qwen3_next, qwen3_5_moe (the released VL-wrapper layout).
 
 The work is freetoken.demo.tiny_model.make_tiny_model (which `ft serve` uses for its demo
 model); this only parses flags. The same flags always give byte-identical files.
@@ -43,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intermediate-size", type=int, default=d.intermediate_size,
                    help="dense MLP width (qwen layers without experts)")
     p.add_argument("--shared-expert-intermediate-size", type=int,
-                   default=d.shared_expert_intermediate_size, help="qwen2_moe only")
+                   default=d.shared_expert_intermediate_size,
+                   help="qwen2_moe, qwen3_next, qwen3_5_moe")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size,
                    help="model vocab, at least the tokenizer's size")
     p.add_argument("--norm-topk-prob", action=argparse.BooleanOptionalAction, default=None,

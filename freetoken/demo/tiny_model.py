@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from freetoken.demo import tiny_families
+from freetoken.demo import tiny_families, tiny_hybrid
 from freetoken.demo.tiny_tokenizer import (CHAT_TEMPLATES, EOS_TOKEN, PAD_TOKEN, build_tokenizer,
                                            write_tokenizer)
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", *tiny_families.FAMILIES)
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", *tiny_families.FAMILIES, *tiny_hybrid.FAMILIES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROUTER_STD_SCALE = 4.0
 
@@ -46,7 +46,7 @@ class TinyShape:
     moe_intermediate_size: int = 64         # one expert's width (mixtral's, gpt_oss', minimax_m2's
                                             # and olmoe's intermediate_size)
     intermediate_size: int = 256            # dense MLP width (qwen, glm4_moe, ernie dense layers)
-    shared_expert_intermediate_size: int = 128   # qwen2_moe only
+    shared_expert_intermediate_size: int = 128   # qwen2_moe, qwen3_next, qwen3_5_moe
     vocab_size: int = 2048                  # model vocab; >= the tokenizer's 1909 tokens
     norm_topk_prob: bool | None = None      # None: the family's usual (qwen3/glm4 True, qwen2/olmoe False)
     tie_word_embeddings: bool | None = None     # None: the family's usual (ernie4_5_moe tied)
@@ -140,6 +140,8 @@ def _validate(family: str, s: TinyShape) -> None:
         raise ValueError("decoder_sparse_step must be >= 1 and mlp_only_layers in 0..num_layers-1")
     if family in tiny_families.FAMILIES:
         tiny_families.validate(family, s)
+    elif family in tiny_hybrid.FAMILIES:
+        tiny_hybrid.validate(family, s)
     elif s.mtp:
         raise ValueError("only glm4_moe writes an MTP layer")
     if family == "mixtral" and (s.mlp_only_layers or s.decoder_sparse_step != 1
@@ -168,6 +170,8 @@ def config_json(family: str, s: TinyShape, *, eos_id: int, bos_id: int) -> dict:
     }
     if family in tiny_families.FAMILIES:
         return tiny_families.config_json(family, s, common)
+    if family in tiny_hybrid.FAMILIES:
+        return tiny_hybrid.config_json(family, s, common)
     if family == "mixtral":
         cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
                "intermediate_size": s.moe_intermediate_size, "num_local_experts": s.num_experts,
@@ -197,6 +201,8 @@ def param_shapes(family: str, s: TinyShape) -> list[tuple[str, tuple[int, ...]]]
     # D hidden, Hd head dim, V vocab; q / kv: the query and key-value projections' widths
     D, Hd, V = s.hidden_size, s.resolved_head_dim, s.vocab_size
     q, kv = s.num_heads * Hd, s.num_kv_heads * Hd
+    if family in tiny_hybrid.FAMILIES:
+        return tiny_hybrid.param_shapes(family, s)
     out = [("model.embed_tokens.weight", (V, D))]
     if family in tiny_families.FAMILIES:
         for i in range(s.num_layers):
