@@ -254,3 +254,28 @@ def test_serves_through_ft_serve_with_the_openai_sdk(tiny_model_dir, family):  #
         logs = server.logs()
     assert "prefix caching off" in logs
     assert ("vision tower (model.visual.*) is not loaded" in logs) == (family == "qwen3_5_moe")
+
+
+def test_slot_count_comes_from_memory(ckpt_root):
+    from freetoken.engine.config import EngineConfig
+    from freetoken.engine.model_runner import AUTO_STATE_SLOTS, ModelRunner
+    path = str(cached_checkpoint(ckpt_root, *HYBRID[0]))
+    default = ModelRunner(EngineConfig(path, max_model_len=256))
+    assert default.kv.slots.num_slots == AUTO_STATE_SLOTS     # 4 GiB holds more than the cap
+    per_slot, per_token = default.kv.bytes_per_slot, default.kv.bytes_per_token
+    assert per_slot == sum(s.bytes_per_slot(torch.float32) for i, s in
+                           default.cache_specs.items() if type(s).__name__ == "RecurrentStateSpec")
+    # Beside one max_model_len sequence's KV there is room for 5.5 slots (and that is under
+    # half the budget): 5 slots, and the KV blocks get what the slots leave.
+    kv = 256 * per_token
+    assert kv > 5.5 * per_slot
+    budget = kv + 5.5 * per_slot
+    runner = ModelRunner(EngineConfig(path, max_model_len=256, cpu_kv_cache_gb=budget / 2**30))
+    assert runner.kv.slots.num_slots == 5
+    left = int(budget / 2**30 * 2**30) - 5 * per_slot
+    assert runner.allocator.num_blocks == -(-(left // per_token) // 16) >= 256 // 16
+    with pytest.raises(RuntimeError, match="no room for one request's linear-attention state"):
+        ModelRunner(EngineConfig(path, max_model_len=256,
+                                 cpu_kv_cache_gb=(kv + per_slot / 2) / 2**30))
+    with pytest.raises(ValueError, match="max_state_slots must be positive"):
+        EngineConfig(path, max_state_slots=0)
