@@ -60,7 +60,8 @@ class LLM:
             model = str(demo_model_path())
         # moe_trace is written when this LLM is collected or the interpreter exits, or by
         # llm.runner.moe.close(). enable_prefix_caching: share and keep the KV blocks of common
-        # prompt prefixes (vLLM's name; on by default).
+        # prompt prefixes (vLLM's name; on by default). max_state_slots: hybrid linear-attention
+        # models' per-request state slots (None: from memory); max_running_requests is capped to it.
         moe = MoeConfig(backend=moe_backend, cache_size=moe_cache_size, cache_rate=moe_cache_rate,
                         cache_policy=moe_cache_policy, cpu_layers=moe_cpu_layers,
                         cpu_threads=moe_cpu_threads, hybrid_k=moe_hybrid_k,
