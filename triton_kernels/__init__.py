@@ -5,7 +5,8 @@ kernel, anything else runs the torch reference (which is also the correctness or
 This package knows nothing of requests, models or the server: it imports torch and triton only.
 Ops: rms_norm, apply_rope, silu_and_mul, topk_softmax and biased_topk (routing), fused_moe (with
 expert biases and a MoeActivation: SILU or gpt-oss's SWIGLU_OAI), write_kv, paged_attention
-(sliding window, attention sinks, V head dim != K head dim).
+(sliding window, attention sinks, V head dim != K head dim), mla_attention and write_latent
+(absorbed multi-head latent attention over a paged latent cache).
 """
 
 from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs
@@ -18,6 +19,8 @@ from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, SILU, SWIGLU_OAI,
                                       fused_moe, fused_moe_autotune_keys, fused_moe_reference)
 from triton_kernels.kv_write import write_kv, write_kv_reference
 from triton_kernels.paged_attention import paged_attention, paged_attention_reference
+from triton_kernels.mla_attention import (mla_attention, mla_attention_reference, write_latent,
+                                          write_latent_reference)
 
 __all__ = [
     "set_backend", "get_backend", "set_fixed_configs",
@@ -30,4 +33,5 @@ __all__ = [
     "MoeActivation", "SILU", "SWIGLU_OAI",
     "write_kv", "write_kv_reference",
     "paged_attention", "paged_attention_reference",
+    "mla_attention", "mla_attention_reference", "write_latent", "write_latent_reference",
 ]
