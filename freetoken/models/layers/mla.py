@@ -115,7 +115,7 @@ class MlaAttention(nn.Module):
         tk.apply_rope(q[..., c.qk_nope_head_dim:], latent[:, None, c.kv_lora_rank:],
                       batch.positions, self.rope.cos_sin, c.rope_interleaved)
         (latent_cache,) = batch.kv.layer(self.layer_idx)
-        _write_latent(latent, latent_cache, batch.slot_mapping)
+        tk.write_latent(latent, latent_cache, batch.slot_mapping)
         o = self.attend(q, latent_cache, batch)                          # [T, H, V]
         return self.o_proj(o.reshape(t, self.num_heads * c.v_head_dim))
 
@@ -166,8 +166,8 @@ class MlaAttention(nn.Module):
         q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
         q_abs = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)     # [T, H, L]
         q_lat = torch.cat([q_abs, q_pe], dim=-1).contiguous()              # [T, H, L+R]
-        o_lat = _mla_attention(q_lat, latent_cache, block_tables, cu_seqlens_q, seq_lens,
-                               self.scale, c.kv_lora_rank, max_seqlen_q)   # [T, H, L]
+        o_lat = tk.mla_attention(q_lat, latent_cache, block_tables, cu_seqlens_q, seq_lens,
+                                 self.scale, c.kv_lora_rank, max_seqlen_q)  # [T, H, L]
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def attend_decompressed(self, q, latent_cache, block_table, ctx: int) -> torch.Tensor:
@@ -187,17 +187,3 @@ class MlaAttention(nn.Module):
                                            v.transpose(0, 1), attn_mask=mask, scale=self.scale)
         return o.transpose(0, 1)
 
-
-def _write_latent(latent, latent_cache, slot_mapping):
-    """latent [T, L+R] -> its slots of latent_cache [NB, BS, L+R] (-1 skips a token)."""
-    keep = slot_mapping >= 0
-    latent_cache.view(-1, latent_cache.shape[-1])[slot_mapping[keep]] = \
-        latent[keep].to(latent_cache.dtype)
-
-
-def _mla_attention(q, latent_cache, block_tables, cu_seqlens_q, seq_lens, scale, kv_lora_rank,
-                   max_seqlen_q):
-    """Absorbed attention: every head's key is the whole latent, its value the c_kv part."""
-    return tk.paged_attention_reference(q, latent_cache.unsqueeze(2),
-                                        latent_cache[..., :kv_lora_rank].unsqueeze(2),
-                                        block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
