@@ -7,6 +7,7 @@ per token from the config, for the tiny and the real DeepSeek-V3 / GLM-4.7-Flash
 prefix caching over the latent pool, YaRN's softmax mscale, and the config errors.
 """
 
+import json
 import math
 
 import pytest
@@ -21,6 +22,7 @@ from freetoken.models.layers.mla import MlaAttention, MlaConfig
 from freetoken.models.registry import family_for
 from freetoken.models.rope import RopeTable, softmax_mscale
 from hf_checkpoints import cached_checkpoint
+from tiny_fixtures import tiny_model_dir  # noqa: F401 - a fixture
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -165,3 +167,49 @@ def test_kimi_k2_is_deepseek_v3_and_bad_configs_are_refused(tmp_path):
                                  "mlp_layer_types": ["dense", "dense"] + ["sparse"] * 45},
                                 tmp_path)
     assert dense.sparse_layers == tuple(range(2, 47))
+
+
+# -- the tiny hub-layout checkpoints (make_tiny_model), served ----------------------------------
+SMALL = dict(hidden_size=64, num_layers=3, num_experts=8, n_group=4, topk_group=2, top_k=3,
+             moe_intermediate_size=32, intermediate_size=64, max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("family,shape", [
+    ("deepseek_v3", dict(SMALL)),
+    ("glm4_moe_lite", dict(SMALL, q_lora_rank=None, rope_yarn_factor=0)),
+])
+def test_tiny_checkpoint_served_through_the_openai_sdk_matches_transformers(
+        tiny_model_dir, family, shape):  # noqa: F811
+    import openai
+    from tokenizers import Tokenizer
+
+    from serving import ServerProcess
+    from test_make_tiny_model import assert_clean_load, hf_load
+    folder = tiny_model_dir(family, name=f"tiny-{family}", **shape)
+    hf, info = hf_load(folder, dtype=torch.float32)
+    assert_clean_load(info)
+    prompt = [11, 250, 31, 64, 2, 99, 1000, 7, 45, 300, 1500]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                           do_sample=False)[0, len(prompt):].tolist()
+    llm = LLM(str(folder), skip_tokenizer_init=True)
+    ours = llm.logits(prompt)
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    text = Tokenizer.from_file(str(folder / "tokenizer.json")).decode(want)
+    assert text.strip()
+    with ServerProcess(folder, "--max-prefill-length", "8") as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model=f"tiny-{family}", prompt=prompt, max_tokens=12,
+                                      temperature=0, extra_body={"min_tokens": 12})
+        assert r.choices[0].text == text
+        chat = client.chat.completions.create(
+            model=f"tiny-{family}", messages=[{"role": "user", "content": "Hello there"}],
+            max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert chat.usage.completion_tokens == 6
+        status, info = server.request("GET", "/v1/instrumentation")
+    assert status == 200
+    cfg = json.loads((folder / "config.json").read_text())
+    kv = info["kv_cache"]
+    assert kv["bytes_per_token"] == 3 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    assert {layer["kind"] for layer in kv["layers"]} == {"LatentSpec"}
