@@ -90,7 +90,7 @@ _YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8, mscal
 _MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=24)
 VARIANTS["deepseek_v3"] = {
-    "qlora_yarn_groups": dict(_MLA, q_lora_rank=24, num_hidden_layers=3, n_routed_experts=8,
+    "qlora_yarn_groups": dict(_MLA, q_lora_rank=24, n_routed_experts=8,
                               num_experts_per_tok=3, n_group=4, topk_group=2,
                               routed_scaling_factor=2.5, rope_parameters=_YARN),
     "no_qlora_bias_neox": dict(_MLA, q_lora_rank=None, attention_bias=True, rope_interleave=False,

@@ -170,7 +170,7 @@ def test_kimi_k2_is_deepseek_v3_and_bad_configs_are_refused(tmp_path):
 
 
 # -- the tiny hub-layout checkpoints (make_tiny_model), served ----------------------------------
-SMALL = dict(hidden_size=64, num_layers=3, num_experts=8, n_group=4, topk_group=2, top_k=3,
+SMALL = dict(hidden_size=64, num_layers=2, num_experts=8, n_group=4, topk_group=2, top_k=3,
              moe_intermediate_size=32, intermediate_size=64, max_position_embeddings=1024)
 
 
@@ -211,5 +211,6 @@ def test_tiny_checkpoint_served_through_the_openai_sdk_matches_transformers(
     assert status == 200
     cfg = json.loads((folder / "config.json").read_text())
     kv = info["kv_cache"]
-    assert kv["bytes_per_token"] == 3 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    assert kv["bytes_per_token"] == cfg["num_hidden_layers"] * latent * 4
     assert {layer["kind"] for layer in kv["layers"]} == {"LatentSpec"}

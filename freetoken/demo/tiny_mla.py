@@ -97,7 +97,8 @@ def layer_shapes(family: str, s, i: int) -> Shapes:
             out += _swiglu(f"{m}experts.{e}.", D, s.moe_intermediate_size)
         out += _swiglu(m + "shared_experts.", D,
                        s.moe_intermediate_size * s.resolved_n_shared(family))
-    return out + [(p + "input_layernorm.weight", (D,)), (p + "post_attention_layernorm.weight", (D,))]
+    return out + [(p + "input_layernorm.weight", (D,)),
+                  (p + "post_attention_layernorm.weight", (D,))]
 
 
 def _swiglu(m: str, D: int, F: int) -> Shapes:

@@ -13,9 +13,8 @@ import dataclasses
 
 from freetoken.models.config import ConfigReader, ModelConfig, ModelConfigError
 from freetoken.models.key_map import KeyMap
-from freetoken.models.layers import (DecoderLayer, DenseMLP, ExpertBank, MoeForCausalLM, Router,
-                                     RouterConfig, SparseMoeBlock)
-from freetoken.models.layers.mla import MlaAttention, MlaConfig
+from freetoken.models.layers import (DecoderLayer, DenseMLP, ExpertBank, MlaAttention, MlaConfig,
+                                     MoeForCausalLM, Router, RouterConfig, SparseMoeBlock)
 from freetoken.models.rope import softmax_mscale
 from freetoken.moe.layout import ExpertLayout
 
