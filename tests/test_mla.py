@@ -169,6 +169,14 @@ def test_kimi_k2_is_deepseek_v3_and_bad_configs_are_refused(tmp_path):
     assert dense.sparse_layers == tuple(range(2, 47))
 
 
+def test_glm_4_7_flash_reads_and_calls_tools_as_glm():
+    from freetoken.server.model_meta import resolve
+    template = ("{% if x %}<think></think>{% endif %}<tool_call>{{ name }}<arg_key>k</arg_key>"
+                "<arg_value>v</arg_value></tool_call>")
+    lite, glm = resolve("glm4_moe_lite", template), resolve("glm4_moe", template)
+    assert lite == glm and lite.reasoning_parser == "glm45" and lite.tool_format == "glm47"
+
+
 # -- the tiny hub-layout checkpoints (make_tiny_model), served ----------------------------------
 SMALL = dict(hidden_size=64, num_layers=2, num_experts=8, n_group=4, topk_group=2, top_k=3,
              moe_intermediate_size=32, intermediate_size=64, max_position_embeddings=1024)
