@@ -66,6 +66,43 @@ def test_absorbed_equals_decompressed(q_lora):
         assert err < 1e-5, f"ctx {ctx}, {n} queries: relative error {err:.2e}"
 
 
+def _two_sequence_batch(layer, g):
+    """A decode at position 9 and a 6-token chunk after a 5-token cached prefix, blocks of 4
+    scattered over one latent pool (KVCache from the layer's spec)."""
+    from freetoken.engine.batch import ForwardBatch
+    from freetoken.engine.kv_cache import KVCache
+    kv = KVCache({0: layer.cache_spec()}, 8, 4, torch.float32, "cpu")
+    kv.layer(0)[0].copy_(torch.randn(kv.layer(0)[0].shape, generator=g))
+    tables = torch.tensor([[6, 1, 3], [2, 7, 0]], dtype=torch.int32)
+    positions = torch.tensor([9] + list(range(5, 11)))
+    slots = torch.cat([tables[0, 9 // 4:9 // 4 + 1].long() * 4 + 9 % 4,
+                       torch.tensor([tables[1, p // 4].item() * 4 + p % 4 for p in range(5, 11)])])
+    return ForwardBatch(input_ids=torch.zeros(7, dtype=torch.long), positions=positions,
+                        cu_seqlens_q=torch.tensor([0, 1, 7], dtype=torch.int32),
+                        seq_lens=torch.tensor([10, 11], dtype=torch.int32), block_tables=tables,
+                        slot_mapping=slots, logits_indices=torch.tensor([0, 6]), max_seqlen_q=6,
+                        num_seqs=2, kv=kv)
+
+
+def test_layer_through_the_triton_kernels_equals_the_references():
+    """The layer's views (rope on q's and the latent's rope parts in place, the latent write,
+    the absorbed query) reach the Triton launchers intact (the interpreter, float32)."""
+    import triton_kernels as tk
+    layer, g = _layer(16, seed=2)
+    x = torch.randn(7, layer.cfg.hidden_size, generator=g)
+    outs, pools = [], []
+    for backend in ("reference", "triton"):
+        batch = _two_sequence_batch(layer, torch.Generator().manual_seed(3))
+        tk.set_backend(backend)
+        try:
+            outs.append(layer(x, batch))
+        finally:
+            tk.set_backend("auto")
+        pools.append(batch.kv.layer(0)[0])
+    torch.testing.assert_close(pools[1], pools[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
 def test_decompression_chosen_by_cost():
     """DeepSeek-V3's dims: decode and a short chunk over a long context absorbed, a fresh
     prompt and a long chunk over a short prefix decompressed."""
