@@ -24,6 +24,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 import triton_kernels as tk
 from freetoken.engine.batch import ForwardBatch
@@ -181,9 +182,11 @@ class MlaAttention(nn.Module):
         k_pe = latent[:, None, c.kv_lora_rank:].expand(ctx, self.num_heads, c.qk_rope_head_dim)
         k = torch.cat([kv[..., :c.qk_nope_head_dim], k_pe], dim=-1)      # [ctx, H, N+R]
         v = kv[..., c.qk_nope_head_dim:]                                  # [ctx, H, V]
-        mask = (torch.arange(ctx, device=q.device)[None, :]
-                <= torch.arange(ctx - n, ctx, device=q.device)[:, None])  # [n, ctx]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), attn_mask=mask, scale=self.scale)
-        return o.transpose(0, 1)
+        # Query i (position ctx-n+i) sees keys 0..ctx-n+i: causal aligned to the lower right,
+        # which SDPA's fused kernels take without an [n, ctx] mask in memory.
+        mask = causal_lower_right(n, ctx)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask,
+                                           scale=self.scale)                # [1, H, n, V]
+        return o[0].transpose(0, 1)
 
