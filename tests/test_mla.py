@@ -113,6 +113,12 @@ def test_decompression_chosen_by_cost():
     assert layer._decompress_pays(300, 300)
     assert layer._decompress_pays(1024, 1500)
     assert not layer._decompress_pays(64, 8192)
+    # The warmup's last chunk is absorbed at any budget, even where each full chunk of its
+    # depth walk decompresses.
+    from freetoken.scheduler.warmup import SHORT_TAIL
+    for budget in (256, 2048, 8192):
+        assert layer._decompress_pays(budget, 2 * budget)
+        assert not layer._decompress_pays(SHORT_TAIL, budget + SHORT_TAIL)
 
 
 def _spec_bytes(cfg, dtype=torch.bfloat16):
@@ -259,3 +265,26 @@ def test_tiny_checkpoint_served_through_the_openai_sdk_matches_transformers(
     latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     assert kv["bytes_per_token"] == cfg["num_hidden_layers"] * latent * 4
     assert {layer["kind"] for layer in kv["layers"]} == {"LatentSpec"}
+
+
+def test_warmup_runs_both_forms_of_prefill(tiny, monkeypatch):
+    """Fresh prompts decompress; the ladder's short chunk after a full one attends absorbed,
+    so both prefill forms (and their kernels on a GPU) run before readiness."""
+    from freetoken.scheduler.warmup import run_warmup
+    seen = []
+    absorbed, decompressed = MlaAttention.attend_absorbed, MlaAttention.attend_decompressed
+
+    def spy_absorbed(self, q, *args):
+        seen.append(("absorbed", args[-1]))
+        return absorbed(self, q, *args)
+
+    def spy_decompressed(self, q, *args):
+        seen.append(("decompressed", q.shape[0]))
+        return decompressed(self, q, *args)
+    monkeypatch.setattr(MlaAttention, "attend_absorbed", spy_absorbed)
+    monkeypatch.setattr(MlaAttention, "attend_decompressed", spy_decompressed)
+    llm = LLM(tiny, skip_tokenizer_init=True, max_prefill_length=32, max_model_len=200)
+    run_warmup(llm.engine, max_depth=150)
+    assert ("absorbed", 1) in seen                                  # decode
+    assert any(kind == "absorbed" and n > 1 for kind, n in seen)    # a short chunk's prefill
+    assert any(kind == "decompressed" and n > 1 for kind, n in seen)
