@@ -100,6 +100,8 @@ def test_write_latent_reference():
         if s >= 0:
             assert torch.equal(flat[s], latent[i])
     assert int((flat.abs().sum(-1) > 0).sum()) == 4           # the skipped token wrote nothing
+    with pytest.raises(ValueError, match="write_latent"):
+        write_latent_reference(latent[:, :40], cache, slots)    # not the cache's L + R
 
 
 @pytest.mark.parametrize("bad", ["rank", "cache", "table"])

@@ -11,9 +11,9 @@ target, so no GPU or driver is needed. A form is a kernel with the constexprs an
 config a launcher really uses: every autotune candidate of the fused MoE kernels and the fixed
 config the GPU tests use, at Qwen3-30B-A3B's shapes and at gpt-oss-20b's (biases, swiglu_oai);
 attention at Qwen3's heads, gpt-oss's (window 128 and full, sinks) and DeepSeek-V3's prefill
-(Dk 192, Dv 128); MLA attention over the latent at DeepSeek-V3's and GLM-4.7-Flash's heads
-(L 512, R 64); biased_topk at DeepSeek-V3's groups and plain 32/128/512-expert routers;
-the other kernels at Qwen3-30B-A3B's shapes. Exit status 1 when
+(Dk 192, Dv 128); MLA attention over the latent at DeepSeek-V3's heads (L 512, R 64);
+biased_topk at DeepSeek-V3's groups and plain 32/128/512-expert routers; the other kernels at
+Qwen3-30B-A3B's shapes. Exit status 1 when
 a form fails to compile or needs more shared memory than the SM has.
 Run without TRITON_INTERPRET (under it, @triton.jit builds interpreter functions).
 """
@@ -37,8 +37,8 @@ OSS_HQ, OSS_HK, OSS_HEAD, OSS_WINDOW = 64, 8, 64, 128
 # DeepSeek-V3 prefill attention: 128 heads, K 192 wide (nope 128 + rope 64), V 128.
 DS_HQ, DS_DK, DS_DV = 128, 192, 128
 # MLA's absorbed attention over the latent (kv_lora_rank 512, qk_rope_head_dim 64), DeepSeek-V3
-# (and Kimi-K2) at 128 heads, GLM-4.7-Flash at 20.
-MLA_L, MLA_R, GLM_FLASH_HQ = 512, 64, 20
+# (and Kimi-K2) at 128 heads.
+MLA_L, MLA_R = 512, 64
 
 
 def compile_form(fn, args: dict, num_warps: int, num_stages: int, arch: int) -> int:
@@ -176,9 +176,11 @@ def attention_forms(p: str, hq=HQ, hk=HK, dk=HEAD, dv=HEAD, window=None, sinks=F
 
 
 def mla_forms(p: str, h=DS_HQ, label="deepseek-v3"):
-    """MLA attention at the real latent dims (L 512, R 64; DeepSeek-V3's 128 heads, GLM-4.7-
-    Flash's 20): every autotune candidate and the fixed GPU config of the decode (one split and
-    split-KV) and prefill kernels, the reduce at L 512, and write_latent."""
+    """MLA attention at the real latent dims (L 512, R 64) and DeepSeek-V3's 128 heads: every
+    autotune candidate and the fixed GPU config of the decode (one split and split-KV) and
+    prefill kernels, the reduce at L 512, and write_latent. GLM-4.7-Flash's 20 heads take the
+    same tiles (decode 32 heads a program, prefill 64 rows as 2 tokens x 32 heads: the same
+    shared memory to the KiB when last compiled), so they are left out to keep CI short."""
     ma = importlib.import_module("triton_kernels.mla_attention")
     ma.interpreting = lambda: False          # the GPU's tiles, even if this env says otherwise
     d = MLA_L + MLA_R
@@ -273,7 +275,6 @@ def forms(dtype: str):
         yield from attention_forms(p, OSS_HQ, OSS_HK, OSS_HEAD, OSS_HEAD, window, True, "gpt-oss")
     yield from attention_forms(p, DS_HQ, DS_HQ, DS_DK, DS_DV, label="deepseek-v3")
     yield from mla_forms(p)
-    yield from mla_forms(p, GLM_FLASH_HQ, "glm-4.7-flash")
     yield from small_forms(p)
     yield from routing_forms()
 
