@@ -2,7 +2,9 @@
 
     PYTHONPATH=. python bench/kernels.py [--ops fused_moe,paged_attention] [--dtype bf16]
 
-Shapes: hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 kv heads of 128.
+Shapes: hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 kv heads of 128;
+mla_attention at DeepSeek-V3's 128 heads and GLM-4.7-Flash's 20 over a 576-wide latent (L 512,
+R 64), block size 16 as the engine's default.
 Each row reports the Triton time eagerly (what a Python loop of launches costs, launch
 overhead included) and replayed from a CUDA graph (the kernels' own time), the reference's
 eager time, the bytes the op must move (read + write) over the graph time as GB/s and as a
@@ -33,7 +35,11 @@ HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 MOE_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)      # both fused_moe forms
 MOE_PREFILL_TOKENS = (512, 4096)                  # grouped only
 OPS = ("rms_norm", "rope", "silu_and_mul", "topk_softmax", "write_kv", "paged_attention",
-       "fused_moe")
+       "fused_moe", "mla_attention")
+# MLA's absorbed attention over the latent: kv_lora_rank 512, qk_rope_head_dim 64 for both;
+# (label, query heads, softmax scale = (qk_nope + qk_rope) ** -0.5).
+MLA_L, MLA_R = 512, 64
+MLA_MODELS = (("deepseek-v3", 128, (128 + 64) ** -0.5), ("glm-4.7-flash", 20, (192 + 64) ** -0.5))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -235,9 +241,42 @@ def fused_moe_cases(dt):
                            fused_moe_reference(x, w13, w2, w0, ids0)))
 
 
+def mla_attention_cases(dt):
+    from triton_kernels.mla_attention import mla_attention_reference, mla_attention_triton
+    shapes = [("decode", [1], [4096]), ("decode", [1], [32768]), ("decode", [1] * 32, [4096] * 32),
+              ("prefill", [2048], [2048]), ("chunked prefill", [512], [8192])]
+    for model, heads, scale in MLA_MODELS:
+        for label, q_lens, ctxs in shapes:
+            blocks = [math.ceil(c / BLOCK_SIZE) for c in ctxs]
+            cache = torch.randn(sum(blocks), BLOCK_SIZE, MLA_L + MLA_R, dtype=dt, device="cuda")
+            ids = torch.randperm(sum(blocks), dtype=torch.int32, device="cuda")
+            table = torch.full((len(ctxs), max(blocks)), -1, dtype=torch.int32, device="cuda")
+            start = 0
+            for b, n in enumerate(blocks):
+                table[b, :n] = ids[start:start + n]
+                start += n
+            cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32,
+                              device="cuda")
+            seq_lens = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
+            q = torch.randn(sum(q_lens), heads, MLA_L + MLA_R, dtype=dt, device="cuda")
+            elt = q.element_size()
+            # The latent once, q in, o out; flops: the L + R score and the L-wide output.
+            moved = (sum(ctxs) * (MLA_L + MLA_R) + sum(q_lens) * heads * (2 * MLA_L + MLA_R)) * elt
+            pairs = sum(n * (c - n) + n * (n + 1) / 2 for n, c in zip(q_lens, ctxs))
+            args = (q, cache, table, cu, seq_lens, scale, MLA_L)
+            yield Case("mla_attention", f"{model} {label} B={len(ctxs)} q={q_lens[0]} "
+                       f"ctx={ctxs[0]}",
+                       lambda a=args, m=max(q_lens): mla_attention_triton(*a, m),
+                       lambda a=args: mla_attention_reference(*a), moved,
+                       flops=2 * pairs * heads * (2 * MLA_L + MLA_R),
+                       check=lambda a=args, m=max(q_lens): (mla_attention_triton(*a, m),
+                                                            mla_attention_reference(*a)))
+
+
 CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "silu_and_mul": silu_and_mul_cases,
          "topk_softmax": topk_softmax_cases, "write_kv": write_kv_cases,
-         "paged_attention": paged_attention_cases, "fused_moe": fused_moe_cases}
+         "paged_attention": paged_attention_cases, "fused_moe": fused_moe_cases,
+         "mla_attention": mla_attention_cases}
 
 
 # ---- report ---------------------------------------------------------------------------------

@@ -82,6 +82,27 @@ VARIANTS = {
                          num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=0.5),
     },
 }
+# MLA families: num_key_value_heads == num_attention_heads, v_head_dim != qk_nope_head_dim,
+# n_group > 1 with topk_group < n_group, routed_scaling_factor != 1, layer 0 dense and YaRN
+# with mscale (mscale != mscale_all_dim, so both the cos/sin and the softmax scale change).
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8, mscale_all_dim=1.2,
+             original_max_position_embeddings=128, beta_fast=32, beta_slow=1)
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=24)
+VARIANTS["deepseek_v3"] = {
+    "qlora_yarn_groups": dict(_MLA, q_lora_rank=24, n_routed_experts=8,
+                              num_experts_per_tok=3, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, rope_parameters=_YARN),
+    "no_qlora_bias_neox": dict(_MLA, q_lora_rank=None, attention_bias=True, rope_interleave=False,
+                               n_routed_experts=6, num_experts_per_tok=2, n_group=1,
+                               topk_group=1, n_shared_experts=2, norm_topk_prob=False,
+                               routed_scaling_factor=1.5),
+}
+VARIANTS["glm4_moe_lite"] = {
+    "qlora_yarn_groups": dict(_MLA, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=2,
+                              n_group=2, topk_group=1, routed_scaling_factor=1.8,
+                              rope_parameters=_YARN),
+}
 
 # Hybrid linear attention (Gated DeltaNet) + gated full attention, apart from VARIANTS:
 # tests/test_hybrid.py runs their parity (prompts across transformers' 64-token chunk, the
@@ -120,6 +141,8 @@ FAMILY_BASE = {
     "ernie4_5_moe": dict(moe_intermediate_size=32),
     "qwen3_next": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "qwen3_5_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=40),
+    "deepseek_v3": dict(moe_intermediate_size=32, first_k_dense_replace=1, n_shared_experts=1),
+    "glm4_moe_lite": dict(moe_intermediate_size=32, n_shared_experts=1),
 }
 
 
@@ -136,6 +159,8 @@ def hf_classes(family):
         "ernie4_5_moe": (tf.Ernie4_5_MoeConfig, tf.Ernie4_5_MoeForCausalLM),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+        "glm4_moe_lite": (tf.Glm4MoeLiteConfig, tf.Glm4MoeLiteForCausalLM),
     }[family]
 
 

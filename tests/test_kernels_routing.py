@@ -152,3 +152,34 @@ def test_public_op_dispatches():
         tk.set_backend("auto")
     _assert_same_ids(got[1], want[1], "public op")
     assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", [biased_topk_reference, biased_topk_triton])
+def test_biased_topk_matches_transformers_deepseek_v3_router(op):
+    """DeepSeek-V3's router as transformers writes it (the oracle): sigmoid scores, the
+    e_score_correction_bias for selection only, groups scored by the sum of their top-2
+    biased scores, 4 of 8 groups kept, top-8, renormalised, times routed_scaling_factor 2.5.
+    Its topk is unsorted, so both sides are compared as id-sorted sets."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=256, num_experts_per_tok=8,
+                           n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                           norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.normal_()
+        # A bias as large as the scores' spread, so it really moves the selection.
+        router.e_score_correction_bias.uniform_(-0.5, 0.5)
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        logits, w_hf, ids_hf = router(x)
+    w, ids = op(logits, 8, bias=router.e_score_correction_bias, scoring="sigmoid", n_group=8,
+                topk_group=4, renormalize=True, scale=2.5)
+    ids_hf, order = ids_hf.sort(dim=-1)
+    ids, mine = ids.sort(dim=-1)
+    _assert_same_ids(ids, ids_hf, "ids vs transformers")
+    assert_close(w.gather(1, mine), w_hf.gather(1, order).float(), atol=1e-6, rtol=1e-5,
+                 what="weights vs transformers")
+    # The bias moved the choice: without it, some token picks other experts.
+    _, ids_plain = op(logits, 8, scoring="sigmoid", n_group=8, topk_group=4, scale=2.5)
+    assert not torch.equal(ids_plain.sort(dim=-1).values, ids)

@@ -29,6 +29,7 @@ CASES = [
     ("minimax_m2", "gqa_partial_rotary"),  # sigmoid router with its bias beside it
     ("ernie4_5_moe", "bias_shared"),       # softmax router with a selection bias
 ]
+CASES += [("deepseek_v3", "qlora_yarn_groups")]   # MLA; grouped sigmoid router, a dense layer 0
 # (name, LLM kwargs); moe_cache_size "min" = one layer's experts (the floor), "mid" = halfway
 # to every expert. Without a size, offload on a CPU device caches every expert.
 BACKENDS = [

@@ -11,8 +11,9 @@ target, so no GPU or driver is needed. A form is a kernel with the constexprs an
 config a launcher really uses: every autotune candidate of the fused MoE kernels and the fixed
 config the GPU tests use, at Qwen3-30B-A3B's shapes and at gpt-oss-20b's (biases, swiglu_oai);
 attention at Qwen3's heads, gpt-oss's (window 128 and full, sinks) and DeepSeek-V3's prefill
-(Dk 192, Dv 128); biased_topk at DeepSeek-V3's groups and plain 32/128/512-expert routers;
-the other kernels at Qwen3-30B-A3B's shapes. Exit status 1 when
+(Dk 192, Dv 128); MLA attention over the latent at DeepSeek-V3's heads (L 512, R 64);
+biased_topk at DeepSeek-V3's groups and plain 32/128/512-expert routers; the other kernels at
+Qwen3-30B-A3B's shapes. Exit status 1 when
 a form fails to compile or needs more shared memory than the SM has.
 Run without TRITON_INTERPRET (under it, @triton.jit builds interpreter functions).
 """
@@ -35,6 +36,9 @@ OSS_MOE = dict(d=2880, inter=2880, experts=32, top_k=4, bias=True, activation="s
 OSS_HQ, OSS_HK, OSS_HEAD, OSS_WINDOW = 64, 8, 64, 128
 # DeepSeek-V3 prefill attention: 128 heads, K 192 wide (nope 128 + rope 64), V 128.
 DS_HQ, DS_DK, DS_DV = 128, 192, 128
+# MLA's absorbed attention over the latent (kv_lora_rank 512, qk_rope_head_dim 64), DeepSeek-V3
+# (and Kimi-K2) at 128 heads.
+MLA_L, MLA_R = 512, 64
 
 
 def compile_form(fn, args: dict, num_warps: int, num_stages: int, arch: int) -> int:
@@ -171,6 +175,49 @@ def attention_forms(p: str, hq=HQ, hk=HK, dk=HEAD, dv=HEAD, window=None, sinks=F
                 HEAD_DIM_V=dv, DV_PAD=dv_pad, BLOCK_S=16, HAS_SINKS=sinks), 4, 3)
 
 
+def mla_forms(p: str, h=DS_HQ, label="deepseek-v3"):
+    """MLA attention at the real latent dims (L 512, R 64) and DeepSeek-V3's 128 heads: every
+    autotune candidate and the fixed GPU config of the decode (one split and split-KV) and
+    prefill kernels, the reduce at L 512, and write_latent. GLM-4.7-Flash's 20 heads take the
+    same tiles (decode 32 heads a program, prefill 64 rows as 2 tokens x 32 heads: the same
+    shared memory to the KiB when last compiled), so they are left out to keep CI short."""
+    ma = importlib.import_module("triton_kernels.mla_attention")
+    ma.interpreting = lambda: False          # the GPU's tiles, even if this env says otherwise
+    d = MLA_L + MLA_R
+    common = dict(q_ptr=p, cache_ptr=p, bt_ptr="*i32", cu_q_ptr="*i32", seq_lens_ptr="*i32",
+                  out_ptr=p, qk_scale=0.1, stride_qt=h * d, stride_qh=d, stride_ot=h * MLA_L,
+                  stride_oh=MLA_L, stride_bt=77, stride_cb=16 * d, stride_cs=d, BS=16, H=h,
+                  L=MLA_L, L_PAD=MLA_L, R=MLA_R, R_PAD=MLA_R, DOT_PRECISION=None)
+    tag = f"{label} H{h} L{MLA_L} R{MLA_R}"
+    block_h, _ = ma.mla_block_heads(h, decode=True)
+    for c in list(ma._DECODE_CONFIGS) + [None]:
+        kw = (dict(ma._FIXED_GPU_CONFIG[True]) if c is None
+              else dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
+        warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
+        for split in (False, True):
+            yield (f"mla decode split={split} {tag} BH{block_h} BN{kw['BLOCK_N']}"
+                   f"{' fixed' if c is None else ''}", ma._mla_decode_kernel,
+                   dict(common, **kw, part_o_ptr="*fp32" if split else p,
+                        part_lse_ptr="*fp32" if split else p, num_splits=4, split_tokens=256,
+                        BLOCK_H=block_h, SPLIT=split), warps, stages)
+    block_h, block_q = ma.mla_block_heads(h, decode=False)
+    for c in list(ma._PREFILL_CONFIGS) + [None]:
+        kw = (dict(ma._FIXED_GPU_CONFIG[False]) if c is None
+              else dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
+        warps, stages = kw.pop("num_warps"), kw.pop("num_stages")
+        yield (f"mla prefill {tag} BH{block_h} BQ{block_q} BN{kw['BLOCK_N']}"
+               f"{' fixed' if c is None else ''}", ma._mla_prefill_kernel,
+               dict(common, **kw, BLOCK_H=block_h, BLOCK_Q=block_q), warps, stages)
+    pa = importlib.import_module("triton_kernels.paged_attention")
+    yield (f"mla decode reduce {tag}", pa._paged_decode_reduce_kernel,
+           dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", cu_q_ptr="*i32", out_ptr=p,
+                sinks_ptr=p, num_splits=4, stride_ot=h * MLA_L, stride_oh=MLA_L, Hq=h,
+                HEAD_DIM_V=MLA_L, DV_PAD=MLA_L, BLOCK_S=16, HAS_SINKS=False), 4, 3)
+    yield (f"write_latent D{d}", ma._write_latent_kernel,
+           dict(latent_ptr=p, cache_ptr=p, slot_ptr="*i64", stride_lt=d, stride_cb=16 * d,
+                stride_cs=d, BS=16, D=d, BLOCK_D=triton_next_pow2(d)), 4, 3)
+
+
 def routing_forms():
     """biased_topk as its launcher calls it: DeepSeek-V3 (256 experts, 8 groups keep 4, top-8,
     sigmoid + bias, scaled), a 128-expert softmax router (top-8) and Qwen3-Next's 512 (top-10),
@@ -227,6 +274,7 @@ def forms(dtype: str):
     for window in (None, OSS_WINDOW):        # gpt-oss alternates full and sliding layers
         yield from attention_forms(p, OSS_HQ, OSS_HK, OSS_HEAD, OSS_HEAD, window, True, "gpt-oss")
     yield from attention_forms(p, DS_HQ, DS_HQ, DS_DK, DS_DV, label="deepseek-v3")
+    yield from mla_forms(p)
     yield from small_forms(p)
     yield from routing_forms()
 

@@ -6,7 +6,7 @@
     python tools/make_tiny_model.py --family glm4_moe --out /tmp/tiny-glm --no-mtp
 
 Families: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe, minimax_m2, olmoe, ernie4_5_moe,
-qwen3_next, qwen3_5_moe (the released VL-wrapper layout).
+qwen3_next, qwen3_5_moe (the released VL-wrapper layout), deepseek_v3, glm4_moe_lite.
 
 The work is freetoken.demo.tiny_model.make_tiny_model (which `ft serve` uses for its demo
 model); this only parses flags. The same flags always give byte-identical files.
@@ -76,6 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="glm4_moe per-head q/k norms")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
                    help="glm4_moe: write the MTP layer model.layers.{num_layers}.* (default on)")
+    mla = "deepseek_v3, glm4_moe_lite"
+    p.add_argument("--q-lora-rank", type=lambda v: None if v.lower() in ("none", "null") else int(v),
+                   default=d.q_lora_rank, help=f"{mla}: q LoRA rank, or none for one q_proj")
+    p.add_argument("--kv-lora-rank", type=int, default=d.kv_lora_rank, help=f"{mla}: latent width")
+    p.add_argument("--qk-nope-head-dim", type=int, default=d.qk_nope_head_dim, help=mla)
+    p.add_argument("--qk-rope-head-dim", type=int, default=d.qk_rope_head_dim, help=mla)
+    p.add_argument("--v-head-dim", type=int, default=d.v_head_dim, help=mla)
+    p.add_argument("--rope-yarn-factor", type=float, default=d.rope_yarn_factor,
+                   help=f"{mla}: YaRN factor (DeepSeek's mscale), 0 for plain RoPE")
     return p.parse_args(argv)
 
 

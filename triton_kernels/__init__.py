@@ -6,7 +6,8 @@ This package knows nothing of requests, models or the server: it imports torch a
 Ops: rms_norm, apply_rope, silu_and_mul, topk_softmax and biased_topk (routing), fused_moe (with
 expert biases and a MoeActivation: SILU or gpt-oss's SWIGLU_OAI), write_kv, paged_attention
 (sliding window, attention sinks, V head dim != K head dim); Gated DeltaNet's gated_delta_rule
-and causal_conv1d (varlen, their states in slot pools).
+and causal_conv1d (varlen, their states in slot pools); mla_attention and write_latent
+(absorbed multi-head latent attention over a paged latent cache).
 """
 
 from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs
@@ -21,6 +22,8 @@ from triton_kernels.kv_write import write_kv, write_kv_reference
 from triton_kernels.paged_attention import paged_attention, paged_attention_reference
 from triton_kernels.gated_delta import gated_delta_rule, gated_delta_rule_reference
 from triton_kernels.causal_conv1d import causal_conv1d, causal_conv1d_reference
+from triton_kernels.mla_attention import (mla_attention, mla_attention_reference, write_latent,
+                                          write_latent_reference)
 
 __all__ = [
     "set_backend", "get_backend", "set_fixed_configs",
@@ -35,4 +38,5 @@ __all__ = [
     "paged_attention", "paged_attention_reference",
     "gated_delta_rule", "gated_delta_rule_reference",
     "causal_conv1d", "causal_conv1d_reference",
+    "mla_attention", "mla_attention_reference", "write_latent", "write_latent_reference",
 ]

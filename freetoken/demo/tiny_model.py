@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from freetoken.demo import tiny_families, tiny_hybrid
+from freetoken.demo import tiny_families, tiny_hybrid, tiny_mla
 from freetoken.demo.tiny_tokenizer import (CHAT_TEMPLATES, EOS_TOKEN, PAD_TOKEN, build_tokenizer,
                                            write_tokenizer)
 
-FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", *tiny_families.FAMILIES, *tiny_hybrid.FAMILIES)
+FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe", *tiny_families.FAMILIES, *tiny_hybrid.FAMILIES,
+            *tiny_mla.FAMILIES)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ROUTER_STD_SCALE = 4.0
 
@@ -69,6 +70,13 @@ class TinyShape:
     use_qk_norm: bool = True                # glm4_moe per-head q/k norms (GLM-4.5 yes, Air no)
     mtp: bool | None = None                 # glm4_moe: the MTP layer model.layers.{num_layers}.*
                                             # (default on, as the hub's checkpoints)
+    # The multi-head latent attention families' knobs (tiny_mla.py)
+    q_lora_rank: int | None = 48            # None: one q_proj, no q LoRA pair
+    kv_lora_rank: int = 64                  # the cached latent c_kv's width
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16              # the shared rope key's width, also cached
+    v_head_dim: int = 24
+    rope_yarn_factor: float = 4.0           # YaRN with DeepSeek's mscale; 0: plain RoPE
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -120,7 +128,8 @@ def make_tiny_model(out_dir, family: str = "qwen3_moe", seed: int = 0, chat_temp
     _write_json(out / "generation_config.json",
                 {"bos_token_id": pad, "eos_token_id": [eos, pad], "pad_token_id": pad})
     tensors = init_weights(param_shapes(family, s), seed, DTYPES[s.dtype],
-                           float32_suffixes=tiny_families.FLOAT32_SUFFIXES.get(family, ()))
+                           float32_suffixes=tiny_families.FLOAT32_SUFFIXES.get(family, ())
+                           or (tiny_mla.FLOAT32_SUFFIXES if family in tiny_mla.FAMILIES else ()))
     write_safetensors(out, tensors, s.max_shard_mb)
     return out
 
@@ -142,6 +151,8 @@ def _validate(family: str, s: TinyShape) -> None:
         tiny_families.validate(family, s)
     elif family in tiny_hybrid.FAMILIES:
         tiny_hybrid.validate(family, s)
+    elif family in tiny_mla.FAMILIES:
+        tiny_mla.validate(family, s)
     elif s.mtp:
         raise ValueError("only glm4_moe writes an MTP layer")
     if family == "mixtral" and (s.mlp_only_layers or s.decoder_sparse_step != 1
@@ -161,7 +172,7 @@ def config_json(family: str, s: TinyShape, *, eos_id: int, bos_id: int) -> dict:
         "num_hidden_layers": s.num_layers, "num_key_value_heads": s.num_kv_heads,
         "output_router_logits": False,
         "rms_norm_eps": s.rms_norm_eps if s.rms_norm_eps is not None else
-        {"mixtral": 1e-5, **tiny_families.RMS_NORM_EPS}.get(family, 1e-6),
+        {"mixtral": 1e-5, **tiny_families.RMS_NORM_EPS, **tiny_mla.RMS_NORM_EPS}.get(family, 1e-6),
         # Hub checkpoints (transformers v4) spell rope_theta; v5 writes rope_parameters.
         "rope_theta": s.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": s.rope_theta},
@@ -172,6 +183,8 @@ def config_json(family: str, s: TinyShape, *, eos_id: int, bos_id: int) -> dict:
         return tiny_families.config_json(family, s, common)
     if family in tiny_hybrid.FAMILIES:
         return tiny_hybrid.config_json(family, s, common)
+    if family in tiny_mla.FAMILIES:
+        return dict(sorted(tiny_mla.config_json(family, s, common).items()))
     if family == "mixtral":
         cfg = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
                "intermediate_size": s.moe_intermediate_size, "num_local_experts": s.num_experts,
@@ -204,13 +217,14 @@ def param_shapes(family: str, s: TinyShape) -> list[tuple[str, tuple[int, ...]]]
     if family in tiny_hybrid.FAMILIES:
         return tiny_hybrid.param_shapes(family, s)
     out = [("model.embed_tokens.weight", (V, D))]
-    if family in tiny_families.FAMILIES:
+    if family in tiny_families.FAMILIES or family in tiny_mla.FAMILIES:
+        newer = tiny_families if family in tiny_families.FAMILIES else tiny_mla
         for i in range(s.num_layers):
-            out += tiny_families.layer_shapes(family, s, i)
+            out += newer.layer_shapes(family, s, i)
         out.append(("model.norm.weight", (D,)))
         if not s.resolved_tie(family):
             out.append(("lm_head.weight", (V, D)))
-        return out + tiny_families.extra_shapes(family, s)
+        return out + (tiny_families.extra_shapes(family, s) if newer is tiny_families else [])
     for i in range(s.num_layers):
         p = f"model.layers.{i}."
         out += [(p + "self_attn.q_proj.weight", (q, D)), (p + "self_attn.k_proj.weight", (kv, D)),

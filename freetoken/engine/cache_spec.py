@@ -42,6 +42,34 @@ class AttentionSpec:
         return f"attention K/V {self.num_kv_heads}x{self.head_dim}/{self.v_head_dim}{window}"
 
 
+@dataclasses.dataclass(frozen=True)
+class LatentSpec:
+    """Multi-head latent attention (DeepSeek-V3, GLM-4.7-Flash): one shared row per token,
+    [c_kv (kv_lora_rank) | k_pe (rope_dim)], whatever the head count; the heads' keys and
+    values are the latent times kv_b_proj, folded into the query and output at attention time.
+    A per-token function of the prefix, so prefix caching covers it as it covers K/V."""
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def width(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.width * torch.empty((), dtype=dtype).element_size()
+
+    def allocate(self, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, ...]:
+        """(latent [NB, BS, L+R],): what `KVCache.layer(i)` returns."""
+        return (torch.zeros(num_blocks, block_size, self.width, dtype=dtype, device=device),)
+
+    def describe(self) -> str:
+        return f"MLA latent {self.kv_lora_rank}+{self.rope_dim}"
+
+
+# Kinds whose state is a per-token function of the prefix: a cached block restores them.
+PREFIX_CACHEABLE = (AttentionSpec, LatentSpec)
+
+
 def bytes_per_token(specs: dict[int, CacheSpec], dtype: torch.dtype) -> int:
     return sum(spec.bytes_per_token(dtype) for spec in specs.values())
 
@@ -84,4 +112,4 @@ def bytes_per_slot(specs: dict, dtype: torch.dtype) -> int:
     return sum(s.bytes_per_slot(dtype) for s in specs.values() if hasattr(s, "allocate_slots"))
 
 
-CacheSpec = AttentionSpec | RecurrentStateSpec      # the union of the kinds there are
+CacheSpec = AttentionSpec | LatentSpec | RecurrentStateSpec      # the union of the kinds there are

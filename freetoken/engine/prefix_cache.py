@@ -9,9 +9,10 @@ PrefixCache maps hash -> block id for blocks whose KV is computed. A block nobod
 stays in the map, in a least-recently-used order, until an allocation needs it (the KV pool is
 the cache: no separate size). The BlockAllocator owns one and keeps the reference counts.
 
-Caching applies to attention KV only: a layer kind whose state is not a per-token function of
-its prefix (a linear-attention or Mamba state) cannot take a cached block without its state at
-the block's end as well. `unsupported_reason` names such a kind, and caching is then off.
+Caching applies to per-token state (attention K/V, an MLA latent) only: a layer kind whose
+state is not a per-token function of its prefix (a linear-attention or Mamba state) cannot
+take a cached block without its state at the block's end as well. `unsupported_reason`
+names such a kind, and caching is then off.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import collections
 import dataclasses
 import hashlib
 
-from freetoken.engine.cache_spec import AttentionSpec
+from freetoken.engine.cache_spec import PREFIX_CACHEABLE
 
 ROOT_HASH = b""      # the parent of a sequence's first block
 
@@ -47,9 +48,9 @@ def extend_hashes(hashes: list[bytes], token_ids, block_size: int, num_tokens: i
 
 def unsupported_reason(specs: dict) -> str | None:
     """Why these cache specs cannot share prefix blocks, or None when they can. The hook for
-    hybrid linear-attention families: their state spec is not an AttentionSpec, so caching is
-    off for them until a cached prefix restores that state too."""
-    others = sorted({type(s).__name__ for s in specs.values() if not isinstance(s, AttentionSpec)})
+    hybrid linear-attention families: their state spec is not a per-token kind (attention K/V,
+    an MLA latent), so caching is off for them until a cached prefix restores that state too."""
+    others = sorted({type(s).__name__ for s in specs.values() if not isinstance(s, PREFIX_CACHEABLE)})
     if others:
         return (f"the model keeps {', '.join(others)} state, which a cached prefix does not "
                 f"restore (caching covers attention KV only)")

@@ -4,13 +4,13 @@ from types import ModuleType
 
 from freetoken.models import (ernie4_5_moe, glm4_moe, gpt_oss, minimax_m2, mixtral, olmoe,
                               qwen2_moe, qwen3_moe)
-from freetoken.models import qwen3_5_moe, qwen3_next
+from freetoken.models import deepseek_v3, glm4_moe_lite, qwen3_5_moe, qwen3_next
 
 # One line a family: its module names ARCHITECTURES, MODEL_TYPES, parse, MODEL_CLASS and
 # optionally KEY_MAP (how its checkpoint keys map, loader.KeyMap).
 FAMILIES: tuple[ModuleType, ...] = (qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, glm4_moe,
                                     minimax_m2, ernie4_5_moe)
-FAMILIES += (qwen3_next, qwen3_5_moe)
+FAMILIES += (qwen3_next, qwen3_5_moe, deepseek_v3, glm4_moe_lite)
 
 
 class UnsupportedModelError(ValueError):

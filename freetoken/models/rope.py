@@ -65,6 +65,19 @@ def _yarn(rope: dict, dim: int, base: float):
     return inv, float(attn)
 
 
+def softmax_mscale(rope: dict) -> float:
+    """The factor on the attention softmax scale that DeepSeek's YaRN adds (mscale^2 with
+    mscale = 0.1 * mscale_all_dim * ln(factor) + 1) when rope scaling sets mscale_all_dim; 1.0
+    otherwise. It is separate from the cos/sin scaling above, which is mscale / mscale_all_dim
+    of the same formula, and applies to any scaled rope type, as Hugging Face applies it."""
+    m_all = rope.get("mscale_all_dim")
+    if rope.get("rope_type", "default") == "default" or not m_all:
+        return 1.0
+    factor = float(rope["factor"])
+    m = 1.0 if factor <= 1 else 0.1 * float(m_all) * math.log(factor) + 1.0
+    return m * m
+
+
 def _llama3(rope: dict, inv_freq: torch.Tensor) -> torch.Tensor:
     factor = rope["factor"]
     low_freq_wavelen = rope["original_max_position_embeddings"] / rope["low_freq_factor"]

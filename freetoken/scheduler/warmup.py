@@ -5,7 +5,8 @@ first requests for minutes. So before readiness every extend length class a step
 is run through the real request path (admission, KV allocation, one decode, freeing):
 1..16, then 2^k-1, 2^k, 2^k+1 up to the prefill budget, and the budget itself; then one
 request walks the KV depth in budget-sized chunks up to the serving depth, so attention's
-long-context classes (split-KV decode) are compiled too.
+long-context classes (split-KV decode) are compiled too, and a last one ends in a short chunk
+over its prefix (MLA's absorbed prefill).
 
 With prefix caching the cache is emptied before each ladder request (so each really prefills
 its length, never a cached part of it) and after the last, so no ladder block is ever counted
@@ -22,6 +23,7 @@ from typing import Callable
 from freetoken.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("freetoken.warmup")
+SHORT_TAIL = 3      # the last request's final chunk: a few queries over a budget-deep prefix
 
 
 def extend_lengths(max_prefill: int) -> list[int]:
@@ -58,6 +60,11 @@ def run_warmup(core, max_depth: int | None = None,
     if depth > budget:
         on_phase(f"warmup: KV depth walk to {depth} tokens")
         _run_to_end(core, [rng.randrange(vocab) for _ in range(depth)], params)
+        if depth >= budget + SHORT_TAIL:
+            # A short chunk over a prefix is a shape class of its own where attention changes
+            # form with the chunk (MLA attends short chunks absorbed, decompresses long ones).
+            on_phase(f"warmup: a {SHORT_TAIL}-token chunk after {budget}")
+            _run_to_end(core, [rng.randrange(vocab) for _ in range(budget + SHORT_TAIL)], params)
     seconds = time.perf_counter() - t0
     log.info("warmup: %d extend lengths (1..%d) and KV depth %d in %.1fs", len(lengths), budget,
              depth, seconds)

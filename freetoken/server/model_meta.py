@@ -66,7 +66,7 @@ class Family:
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "qwen3_5_moe",
                      "qwen3_5_moe_text"), "qwen3", "hermes"),
-    Family("glm", ("glm4_moe", "glm4", "glm4v_moe"), "glm45", "glm45"),
+    Family("glm", ("glm4_moe", "glm4_moe_lite", "glm4", "glm4v_moe"), "glm45", "glm45"),
     Family("gemma4", ("gemma4", "gemma4_text"), "gemma4", "gemma4"),
     Family("gpt_oss", ("gpt_oss",), "gpt_oss", "gpt_oss"),
     Family("deepseek", ("deepseek_v3", "deepseek_v32", "deepseek_v4"), "deepseek_r1", "deepseek_v3"),
