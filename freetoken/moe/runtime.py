@@ -44,6 +44,7 @@ from freetoken.moe.overlap import PrefetchWindow
 from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
 from freetoken.moe.profile import load_profile
+from freetoken.moe.report import runtime_report
 from freetoken.moe.store import ExpertStore
 from freetoken.moe.trace import RoutingTrace, check_trace_path
 from freetoken.moe.waves import run_waves, split_waves
@@ -385,51 +386,9 @@ class MoeRuntime:
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
-        c, s = self.cache, self.store
-        window = self.window.latest_s if self.window is not None else {}
-        per_layer = [{"layer": l, "mode": self.mode[l],
-                      "hits": c.hits.get(l, 0) if c else 0,
-                      "misses": c.misses.get(l, 0) if c else 0,
-                      "cpu_experts": self.cpu_experts[l],
-                      "waves": self.waves[l], "wave_steps": self.wave_steps[l],
-                      "prefetch_window_us": window[l] * 1e6 if l in window else None}
-                     for l in sorted(self.mode)]
-        lookups = c.num_lookups if c else 0
-        hits = sum(c.hits.values()) if c else 0
-        return {
-            "policy": c.policy.name if c else None,
-            "lfu_decay": self.cfg.lfu_decay if c and c.policy.name == "lfu-decay" else None,
-            "cache": None if c is None else {
-                "slots": c.num_slots, "bytes": c.pool_bytes, "min_slots": self.plan.min_slots,
-                "sizing": self.plan.sizing, "layers": list(self.plan.cache_layers),
-                "slots_in_use": len(c.slot_of), "staging_bytes": c.fetcher.staging_bytes,
-                # Per cache layer: slots against the experts one step (a prefill chunk) can
-                # need, and the waves that step runs in at most.
-                "waves": [{"layer": l, "slots": c.num_slots, "step_experts": self.plan.step_experts,
-                           "max_waves": self.plan.max_waves} for l in self.plan.cache_layers]},
-            "host": {"expert_bytes": s.total_bytes, "pinned_bytes": s.pinned_bytes,
-                     "pin_budget_bytes": s.pin_budget_bytes},
-            "cpu_layers": list(self.plan.cpu_layers),
-            "cpu_threads": self.cfg.cpu_threads or torch.get_num_threads(),
-            "hybrid_k": self.hybrid_k, "hybrid_k_source": self.hybrid_k_source,
-            "prefetch": self.cfg.prefetch if self.next_cached else "off",
-            "counters": {
-                "steps": self.num_steps, "lookups": lookups, "hits": hits,
-                "misses": lookups - hits, "hit_rate": hits / lookups if lookups else None,
-                "experts_fetched": c.fetcher.num_experts_copied if c else 0,
-                "bytes_fetched": c.fetcher.bytes_copied if c else 0,
-                "fetch_gbps": c.fetcher.achieved_gbps() if c else None,
-                "evictions": c.num_evictions if c else 0,
-                "prefetch_fetched": c.num_prefetched if c else 0,
-                "prefetch_guessed": self.prefetch_guessed, "prefetch_used": self.prefetch_used,
-                "prefetch_dropped": self.prefetch_dropped,
-                "prefetch_accuracy_by_rank": [round(u / g, 4) for u, g in
-                                              zip(self._rank_used, self._rank_guessed)],
-                "prefetch_accuracy": (self.prefetch_used / self.prefetch_guessed
-                                      if self.prefetch_guessed else None),
-                "cpu_experts": sum(self.cpu_experts.values()),
-                "wave_steps": sum(self.wave_steps.values()), "waves": sum(self.waves.values()),
-                "wave_evictions": self.wave_evictions, "wave_refetches": self.wave_refetches,
-                "per_layer": per_layer},
-        }
+        """The placement and live counters /v1/instrumentation serves (report.py)."""
+        return runtime_report(self)
 
+    def accuracy_by_rank(self) -> list[float]:
+        """Per rank of a guess (0: most likely): how often the layer then used it."""
+        return [round(u / g, 4) for u, g in zip(self._rank_used, self._rank_guessed)]
