@@ -19,7 +19,7 @@ import torch
 from freetoken.engine.config import EngineConfig
 from freetoken.engine.model_runner import ModelRunner, SeqChunk
 from freetoken.engine.sampling_params import SamplingParams
-from freetoken.moe.config import MoeConfig
+from freetoken.moe.config import MoeConfig, parse_cpu_layers
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.core import EngineCore, RequestError
 
@@ -39,6 +39,39 @@ class RequestOutput:
     @property
     def outputs(self):   # vLLM keeps the completion one level down; offer both spellings
         return [self]
+
+
+# Keywords that have an `ft serve` flag, by the type that flag parses its text to: each also
+# takes the flag's string form ("8", "0.5", "1,3", "false"), as the flag would.
+_INT_KEYWORDS = ("max_model_len", "kv_cache_tokens", "max_prefill_length", "max_running_requests",
+                 "moe_cache_size", "moe_cpu_threads", "moe_hybrid_k", "kv_reserve_tokens",
+                 "max_state_slots")
+_FLOAT_KEYWORDS = ("moe_cache_rate", "pin_budget_gb", "moe_lfu_decay")
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True,
+               "false": False, "0": False, "no": False, "off": False}
+
+
+def from_flag_text(name: str, value):
+    """The Python value of keyword `name` given as its flag's text; other values pass as they
+    are (the configs validate them)."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if name in _INT_KEYWORDS:
+            return int(text)
+        if name in _FLOAT_KEYWORDS:
+            return float(text)
+    except ValueError:
+        kind = "an integer" if name in _INT_KEYWORDS else "a number"
+        raise ValueError(f"{name} must be {kind}, got {value!r}") from None
+    if name == "moe_cpu_layers":
+        return parse_cpu_layers(text)
+    if name == "enable_prefix_caching":
+        if text.lower() not in _BOOL_WORDS:
+            raise ValueError(f"enable_prefix_caching must be true or false, got {value!r}")
+        return _BOOL_WORDS[text.lower()]
+    return value
 
 
 class LLM:
@@ -62,14 +95,21 @@ class LLM:
         # llm.runner.moe.close(). enable_prefix_caching: share and keep the KV blocks of common
         # prompt prefixes (vLLM's name; on by default). max_state_slots: hybrid linear-attention
         # models' per-request state slots (None: from memory); max_running_requests is capped to it.
-        moe = MoeConfig(backend=moe_backend, cache_size=moe_cache_size, cache_rate=moe_cache_rate,
-                        cache_policy=moe_cache_policy, cpu_layers=moe_cpu_layers,
-                        cpu_threads=moe_cpu_threads, hybrid_k=moe_hybrid_k,
-                        pin_budget_gb=pin_budget_gb, kv_reserve_tokens=kv_reserve_tokens,
-                        prefetch=moe_prefetch, lfu_decay=moe_lfu_decay, trace_path=moe_trace)
+        f = from_flag_text
+        moe = MoeConfig(backend=moe_backend, cache_size=f("moe_cache_size", moe_cache_size),
+                        cache_rate=f("moe_cache_rate", moe_cache_rate),
+                        cache_policy=moe_cache_policy,
+                        cpu_layers=f("moe_cpu_layers", moe_cpu_layers),
+                        cpu_threads=f("moe_cpu_threads", moe_cpu_threads),
+                        hybrid_k=f("moe_hybrid_k", moe_hybrid_k),
+                        pin_budget_gb=f("pin_budget_gb", pin_budget_gb),
+                        kv_reserve_tokens=f("kv_reserve_tokens", kv_reserve_tokens),
+                        prefetch=moe_prefetch, lfu_decay=f("moe_lfu_decay", moe_lfu_decay),
+                        trace_path=moe_trace)
         self.engine_config = EngineConfig(
-            model=model, device=device, dtype=dtype, max_model_len=max_model_len,
-            kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_state_slots=max_state_slots,
+            model=model, device=device, dtype=dtype, max_model_len=f("max_model_len", max_model_len),
+            kv_cache_tokens=f("kv_cache_tokens", kv_cache_tokens), block_size=block_size,
+            max_state_slots=f("max_state_slots", max_state_slots),
             skip_tokenizer_init=skip_tokenizer_init, kernel_backend=kernel_backend, moe=moe)
         self.runner = ModelRunner(self.engine_config)
         self.tokenizer = None
@@ -77,9 +117,12 @@ class LLM:
             from freetoken.tokenizer import Tokenizer
             self.tokenizer = Tokenizer.from_dir(self.runner.model_dir)
         self.engine = EngineCore(self.runner, self.tokenizer,
-                                 SchedulerConfig(max_prefill_length=max_prefill_length,
-                                                 max_running_requests=max_running_requests,
-                                                 enable_prefix_caching=enable_prefix_caching))
+                                 SchedulerConfig(
+                                     max_prefill_length=f("max_prefill_length", max_prefill_length),
+                                     max_running_requests=f("max_running_requests",
+                                                            max_running_requests),
+                                     enable_prefix_caching=f("enable_prefix_caching",
+                                                             enable_prefix_caching)))
         if moe_trace and self.runner.moe is not None:
             weakref.finalize(self, self.runner.moe.close)
 

@@ -212,7 +212,7 @@ def test_auto_resolves_resident_when_everything_fits_else_offload():
     # 6 - 1 - 2 - 0.5 = 2.5 GiB = 2560 MiB -> 40 slots of 64 MiB
     assert auto_cache_budget(SHAPE, DeviceMemory("cuda", 6 * GiB, 1 * GiB), KV) == 2560 * MiB
     assert plan.cache_slots == 40 and plan.cache_layers == (0, 1, 2, 3)
-    assert plan.min_slots == 16
+    assert plan.min_slots == 4 and plan.step_experts == 16 and plan.max_waves == 1
     # A CPU device: auto is resident; offload there caches every expert.
     assert plan_moe(MoeConfig(), SHAPE, DeviceMemory("cpu", GiB), 4096, KV).backend == "resident"
     plan = plan_moe(MoeConfig(backend="offload"), SHAPE, DeviceMemory("cpu", GiB), 4096, KV)
@@ -222,15 +222,16 @@ def test_auto_resolves_resident_when_everything_fits_else_offload():
     assert plan.backend == "offload" and plan.cache_slots == 16
 
 
-def test_cache_too_small_for_one_layer_is_a_clear_error():
-    # 4 - 1 - 2 - 0.5 = 0.5 GiB: 8 slots, but one step can touch all 16 experts of a layer.
-    with pytest.raises(MoePlanError, match="gets 8 slots.*fewer than the 16"):
-        plan_moe(MoeConfig(), SHAPE, DeviceMemory("cuda", 4 * GiB, 1 * GiB), 4096, KV)
-    with pytest.raises(MoePlanError, match="fewer than the 16"):
-        plan_moe(MoeConfig(backend="offload", cache_size=15), SHAPE, DeviceMemory("cpu", GiB), 4096, KV)
-    # A single-token step needs only top_k slots.
+def test_cache_below_top_k_is_a_clear_error_and_smaller_than_a_layer_runs_in_waves():
+    # 4 - 1 - 2 - 0.5 = 0.5 GiB: 8 slots, fewer than the 16 experts one step can touch of a
+    # layer: that step runs in waves of 4 misses (one resident, then ceil(15 / 4) more).
+    plan = plan_moe(MoeConfig(), SHAPE, DeviceMemory("cuda", 4 * GiB, 1 * GiB), 4096, KV)
+    assert (plan.cache_slots, plan.min_slots, plan.step_experts, plan.max_waves) == (8, 4, 16, 5)
+    with pytest.raises(MoePlanError, match="gets 3 slots.*fewer than the 4 experts one token"):
+        plan_moe(MoeConfig(backend="offload", cache_size=3), SHAPE, DeviceMemory("cpu", GiB), 4096, KV)
+    # A single-token step needs only top_k slots, and one wave.
     plan = plan_moe(MoeConfig(backend="offload", cache_size=4), SHAPE, DeviceMemory("cpu", GiB), 1, KV)
-    assert plan.cache_slots == 4 and plan.min_slots == 4
+    assert plan.cache_slots == 4 and plan.min_slots == 4 and plan.max_waves == 1
     # Explicit sizes are checked against the device: 6 - 1 - 2 = 3 GiB holds 48 slots, not 60.
     with pytest.raises(MoePlanError, match="60 slots need 3.75 GiB"):
         plan_moe(MoeConfig(backend="offload", cache_size=60), SHAPE,

@@ -1,7 +1,7 @@
 """Every MoE backend against the resident run, end to end through LLM on tiny checkpoints of
 every family (written by transformers): the same greedy tokens (a batch mixing chunked
-prefill and decodes) and logits within 1e-5 relative, for cache sizes from the one-layer
-minimum to every expert; plus the report /v1/instrumentation serves, and the startup errors.
+prefill and decodes) and logits within 1e-5 relative, for cache sizes from the top_k floor
+(prefill chunks then run in waves) to every expert; plus the report /v1/instrumentation serves, and the startup errors.
 """
 
 import json
@@ -30,8 +30,8 @@ CASES = [
     ("ernie4_5_moe", "bias_shared"),       # softmax router with a selection bias
 ]
 CASES += [("deepseek_v3", "qlora_yarn_groups")]   # MLA; grouped sigmoid router, a dense layer 0
-# (name, LLM kwargs); moe_cache_size "min" = one layer's experts (the floor), "mid" = halfway
-# to every expert. Without a size, offload on a CPU device caches every expert.
+# (name, LLM kwargs); moe_cache_size "min" = top_k (the floor: a prefill chunk's layers run in
+# waves), "mid" = halfway to every expert. Without a size, offload on a CPU device caches every expert.
 BACKENDS = [
     ("offload-min", dict(moe_backend="offload", moe_cache_size="min")),
     ("offload-mid", dict(moe_backend="offload", moe_cache_size="mid")),
@@ -103,7 +103,7 @@ def test_backend_matches_resident(ckpt_root, family, variant, name, kwargs):
     mc = ref.model_config
     moe_layers = list(ref.runner.model.moe_blocks())
     n_experts = len(moe_layers) * mc.num_experts
-    sizes = {"min": mc.num_experts, "mid": (mc.num_experts + n_experts) // 2}
+    sizes = {"min": mc.num_experts_per_tok, "mid": (mc.num_experts + n_experts) // 2}
     kwargs = {k: sizes.get(v, v) if k == "moe_cache_size" else v for k, v in kwargs.items()}
 
     llm = LLM(path, skip_tokenizer_init=True, max_prefill_length=16, **kwargs)
@@ -126,7 +126,7 @@ def test_backend_matches_resident(ckpt_root, family, variant, name, kwargs):
         assert report["cache"] is None and c["lookups"] == 0 and c["cpu_experts"] > 0
     else:
         slots = min(kwargs.get("moe_cache_size", n_experts), len(cached) * mc.num_experts)
-        assert report["cache"]["slots"] == slots and report["cache"]["min_slots"] == mc.num_experts
+        assert report["cache"]["slots"] == slots and report["cache"]["min_slots"] == mc.num_experts_per_tok
         # One expert's bytes, counted here from the config: w13 + w2 (+ gpt-oss's biases).
         expert_bytes = 3 * mc.hidden_size * mc.moe_intermediate_size * 4
         if family == "gpt_oss":
@@ -178,8 +178,8 @@ def test_default_is_resident_and_says_why(ckpt_root):
 
 def test_too_small_a_cache_is_refused(ckpt_root):
     path = str(cached_checkpoint(ckpt_root, "mixtral", "gqa"))
-    with pytest.raises(MoePlanError, match="gets 7 slots.*fewer than the 8"):
-        LLM(path, skip_tokenizer_init=True, moe_backend="offload", moe_cache_size=7)
+    with pytest.raises(MoePlanError, match="gets 1 slots.*fewer than the 2 experts one token"):
+        LLM(path, skip_tokenizer_init=True, moe_backend="offload", moe_cache_size=1)
     with pytest.raises(MoePlanError, match=r"moe_cpu_layers \[5\] are not MoE layers"):
         LLM(path, skip_tokenizer_init=True, moe_backend="offload", moe_cpu_layers=[5])
     with pytest.raises(ValueError, match="not both"):

@@ -30,6 +30,8 @@ class EnsureResult:
     fetched: list[int]              # misses copied in by this call
     skipped: list[int]              # misses left out (max_fetch reached): the caller runs them
     evicted: list[Key]
+    event: object = None            # CUDA: the copy stream's event after every copy issued so
+                                    # far (this call's included); None: nothing left to wait for
 
 
 class ExpertCache:
@@ -71,10 +73,12 @@ class ExpertCache:
     def begin_step(self) -> None:
         self.policy.advance()
 
-    def ensure(self, layer: int, experts: list[int], max_fetch: int | None = None) -> EnsureResult:
+    def ensure(self, layer: int, experts: list[int], max_fetch: int | None = None,
+               keep: frozenset | set = frozenset()) -> EnsureResult:
         """Make `experts` (distinct, in priority order) of layer resident; fetch at most
-        max_fetch misses (None: all). Returns what hit, what was fetched and what was not."""
-        protected = {(layer, e) for e in experts}
+        max_fetch misses (None: all). Returns what hit, what was fetched and what was not.
+        keep: more keys nothing may evict (a wave whose kernel is not enqueued yet)."""
+        protected = {(layer, e) for e in experts} | set(keep)
         result = EnsureResult([], [], [], [])
         moves = []
         for e in experts:
@@ -99,7 +103,15 @@ class ExpertCache:
         self.hits[layer] += len(result.hits)
         self.misses[layer] += len(result.fetched) + len(result.skipped)
         self.fetcher.fetch(layer, moves)
+        result.event = self.fetcher.event
         return result
+
+    def skip(self, layer: int, experts: list[int]) -> None:
+        """Count experts of layer that this step computes elsewhere (hybrid's CPU share) as
+        misses and as uses, as ensure does for the ones past max_fetch."""
+        for e in experts:
+            self.policy.used_elsewhere((layer, e))
+        self.misses[layer] += len(experts)
 
     def prefetch(self, layer: int, experts: list[int], protected: set[Key],
                  limit: int | None = None) -> list[int]:
@@ -126,6 +138,10 @@ class ExpertCache:
     def wait(self) -> None:
         """The compute stream waits for every copy issued so far."""
         self.fetcher.wait()
+
+    def wait_for(self, event) -> None:
+        """The compute stream waits for the copies up to an EnsureResult's event only."""
+        self.fetcher.wait_for(event)
 
     def slot_map(self, layer: int) -> torch.Tensor:
         if layer in self._dirty:

@@ -39,7 +39,8 @@ def parse_cpu_layers(text: str) -> CpuLayers:
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     backend: str = "auto"
-    cache_size: int | None = None       # slots of the GPU expert cache
+    cache_size: int | None = None       # slots of the GPU expert cache (>= top_k; fewer than a
+                                        # step's experts of a layer: it runs in waves)
     cache_rate: float | None = None     # ... or a fraction of all offloaded experts
     cache_policy: str = "lfu-decay"     # lru | lfu-decay (bench/cache_policy.py)
     lfu_decay: float = 0.9              # lfu-decay: counts are multiplied by this every step

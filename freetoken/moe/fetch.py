@@ -129,6 +129,12 @@ class ExpertFetcher:
 
     def wait(self) -> None:
         """Make the compute stream wait for every copy enqueued so far."""
-        if self.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
-            self.event = None
+        self.wait_for(self.event)
+        self.event = None
+
+    def wait_for(self, event) -> None:
+        """Make the compute stream wait for the copies up to `event` (a batch's, from
+        `self.event` right after its fetch; None: nothing to wait for). The waves of one layer
+        wait each for their own batch, not for the next wave's copies behind it."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)

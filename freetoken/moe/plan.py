@@ -8,6 +8,10 @@ Auto cache sizing on CUDA: slots = (free - reserve - dense - kv_tokens * kv_byte
 // expert_bytes, capped at the number of offloaded experts, where `reserve` is what the engine
 keeps back for activations and allocator slack (total * (1 - gpu_memory_utilization), the same
 reserve the KV cache sizing leaves). On a CPU device auto means every offloaded expert.
+
+The floor is top_k slots (one token's experts). A step that needs more of one layer's experts
+than there are slots (a prefill chunk routes T * k pairs, up to all E experts) runs that layer
+in waves (waves.py); the plan reports how many at worst.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import dataclasses
 import math
 
 from freetoken.moe.config import MoeConfig
+from freetoken.moe.waves import max_waves
 
 GiB = 2 ** 30
 
@@ -54,16 +59,18 @@ class MoePlan:
     cpu_layers: tuple[int, ...]     # MoE layers whose experts run on the CPU
     cache_layers: tuple[int, ...]   # MoE layers served through the GPU expert cache
     cache_slots: int
-    min_slots: int                  # one layer's worst step: min(T * k, E)
+    min_slots: int                  # the floor: top_k (one token's experts)
     sizing: str                     # how cache_slots was chosen
     kv_tokens: int                  # KV tokens the sizing left room for
+    step_experts: int = 0           # one layer's worst step: min(T * k, E) experts
+    max_waves: int = 1              # waves that step runs in with cache_slots (waves.py)
 
     @property
     def experts_on_host(self) -> bool:
         return self.backend != "resident"
 
 
-def min_cache_slots(num_experts: int, top_k: int, max_step_tokens: int) -> int:
+def step_experts(num_experts: int, top_k: int, max_step_tokens: int) -> int:
     """The most experts one layer can need in one step: T tokens route T * k pairs."""
     return min(max_step_tokens * top_k, num_experts)
 
@@ -115,7 +122,7 @@ def auto_cache_budget(shape: MoeShape, mem: DeviceMemory, kv_tokens: int) -> int
 
 def cache_slots(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, kv_tokens: int,
                 num_cached: int, min_slots: int) -> tuple[int, str]:
-    """(slots, how) for num_cached offloaded experts; raises when below min_slots."""
+    """(slots, how) for num_cached offloaded experts; raises when below min_slots (top_k)."""
     if cfg.cache_size is not None:
         slots, how = min(cfg.cache_size, num_cached), f"moe_cache_size={cfg.cache_size}"
     elif cfg.cache_rate is not None:
@@ -132,9 +139,8 @@ def cache_slots(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, kv_tokens: i
                f"{budget / GiB:.2f} GiB for experts of {shape.expert_bytes / 2**20:.2f} MiB")
     if slots < min_slots:
         raise MoePlanError(
-            f"the GPU expert cache gets {slots} slots ({how}), fewer than the {min_slots} one "
-            f"layer can need in one step (min(tokens * top_k, experts) = min(T * "
-            f"{shape.top_k}, {shape.num_experts})); give it more memory (lower "
+            f"the GPU expert cache gets {slots} slots ({how}), fewer than the {min_slots} "
+            f"experts one token routes to (top_k); give it more memory (lower "
             f"kv_reserve_tokens or max_model_len, raise moe_cache_size/moe_cache_rate) or use "
             f"moe_backend=cpu")
     explicit = cfg.cache_size is not None or cfg.cache_rate is not None
@@ -150,21 +156,24 @@ def cache_slots(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, kv_tokens: i
 def plan_moe(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, max_step_tokens: int,
              kv_tokens: int) -> MoePlan:
     """Resolve backend, CPU layers and cache size. max_step_tokens: the most tokens one
-    forward can carry (sizes the one-layer floor); kv_tokens: KV room to leave."""
+    forward can carry (how many experts, so how many waves, one layer's step can need);
+    kv_tokens: KV room to leave."""
     backend, reason = resolve_backend(cfg, shape, mem, kv_tokens)
-    min_slots = min_cache_slots(shape.num_experts, shape.top_k, max_step_tokens)
+    min_slots = min(shape.top_k, shape.num_experts)
+    step = step_experts(shape.num_experts, shape.top_k, max_step_tokens)
     if backend in ("resident", "cpu"):
         cpu = shape.moe_layers if backend == "cpu" else ()
         return MoePlan(cfg.backend, backend, reason, cpu, (), 0, min_slots, "no expert cache",
-                       kv_tokens)
+                       kv_tokens, step)
     cpu = resolve_cpu_layers(cfg.cpu_layers, shape.moe_layers)
     cached = tuple(i for i in shape.moe_layers if i not in cpu)
     if not cached:
         return MoePlan(cfg.backend, backend, reason + "; every MoE layer is a CPU layer", cpu,
-                       (), 0, min_slots, "no expert cache", kv_tokens)
+                       (), 0, min_slots, "no expert cache", kv_tokens, step)
     slots, how = cache_slots(cfg, shape, mem, kv_tokens, len(cached) * shape.num_experts,
                              min_slots)
-    return MoePlan(cfg.backend, backend, reason, cpu, cached, slots, min_slots, how, kv_tokens)
+    return MoePlan(cfg.backend, backend, reason, cpu, cached, slots, min_slots, how, kv_tokens,
+                   step, max_waves(step, slots))
 
 
 def hybrid_k(top_k: int, fetch_s: float, cpu_s: float, serial_s: float = 0.0) -> int:

@@ -14,6 +14,10 @@ Per layer and step (the router has already picked ids [T, k] and weights [T, k])
      and each miss's rows, or a fixed moe_hybrid_k), the others run on the CPU while the
      kernel runs;
      cpu layers: x goes to the host, the experts run there, the result comes back.
+     A layer that needs more experts than the cache has slots (a prefill chunk on a cache
+     smaller than one layer) runs in waves (waves.py); hybrid's CPU share is left out of
+     them, priced as always (a wave's copies keep the copy stream busy, so fetching j
+     misses costs j fetches however many waves carry them).
 
 Prefetch accuracy = guessed experts the next layer then used / experts guessed. A RoutingTrace
 set on `trace` records every layer's experts and guess (bench/cache_policy.py replays them).
@@ -40,8 +44,10 @@ from freetoken.moe.overlap import PrefetchWindow
 from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
 from freetoken.moe.profile import load_profile
+from freetoken.moe.report import runtime_report
 from freetoken.moe.store import ExpertStore
 from freetoken.moe.trace import RoutingTrace, check_trace_path
+from freetoken.moe.waves import run_waves, split_waves
 from freetoken.utils.device import device_key
 
 log = logging.getLogger("freetoken.moe")
@@ -109,6 +115,11 @@ class MoeRuntime:
         self._rank_guessed: list[int] = []    # per rank of a guess (0: most likely): how often
         self._rank_used: list[int] = []       # it was made, and how often the layer used it
         self.cpu_experts = {l: 0 for l in moe_layers}
+        self.waves = {l: 0 for l in moe_layers}         # waves run (layer steps in waves only)
+        self.wave_steps = {l: 0 for l in moe_layers}    # layer steps that ran in waves
+        self.wave_evictions = 0     # experts a layer's later waves evicted from its earlier ones
+        self.wave_refetches = 0     # ... fetched again later: the extra fetches waves cost
+        self._wave_evicted: set = set()
 
     def layer_fn(self, layer: int):
         """The callable an ExpertBank runs instead of the resident kernel."""
@@ -150,6 +161,9 @@ class MoeRuntime:
         self.num_steps = self.prefetch_guessed = self.prefetch_used = self.prefetch_dropped = 0
         self._rank_guessed, self._rank_used = [], []
         self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
+        self.waves = dict.fromkeys(self.waves, 0)
+        self.wave_steps = dict.fromkeys(self.wave_steps, 0)
+        self.wave_evictions = self.wave_refetches = 0
         if self.cache is not None:
             self.cache.reset_counters()
 
@@ -182,7 +196,14 @@ class MoeRuntime:
         budget = self._fetch_budget(layer, needed, counts) if mode == "hybrid" else None
         if self.window is not None:
             self.window.closed(layer, rows)
+        resident = [e for e in needed if (layer, e) in self.cache.slot_of]
+        missing = [e for e in needed if (layer, e) not in self.cache.slot_of]
+        fetch = missing if budget is None else missing[:budget]
+        if len(resident) + len(fetch) > self.cache.num_slots:
+            return self._waves(layer, x, weights, ids, (ids_h, x_h, w_h), resident, fetch,
+                               missing[len(fetch):], (nxt, guessed, rows))
         res = self.cache.ensure(layer, needed, budget)
+        self._count_refetches(layer, res.fetched)
         self.cache.wait()
         self._prefetch(nxt, guessed, {(layer, e) for e in needed}, rows)
         on_device = res.hits + res.fetched
@@ -197,6 +218,33 @@ class MoeRuntime:
         self.cpu_experts[layer] += len(res.skipped)
         cpu_out = self._cpu(layer, x_h, w_h, ids_h, res.skipped).to(x.device)
         return cpu_out if out is None else out + cpu_out
+
+    def _waves(self, layer, x, weights, ids, host, resident, fetch, cpu_part, prefetch):
+        """The layer in waves: resident first, then `fetch` in groups; cpu_part (hybrid's
+        share) runs on the CPU while the device computes the waves."""
+        ids_h, x_h, w_h = host
+        nxt, guessed, rows = prefetch
+        if cpu_part:
+            self.cache.skip(layer, cpu_part)
+        waves = split_waves(resident, fetch, self.cache.num_slots)
+        out, st = run_waves(self.cache, self.store.layout, layer, x, weights, ids, ids_h, waves,
+                            lambda keep: self._prefetch(nxt, guessed, keep, rows))
+        self._count_refetches(layer, st.fetched)
+        self.waves[layer] += st.waves
+        self.wave_steps[layer] += 1
+        self.wave_evictions += len(st.self_evicted)
+        self._wave_evicted.update((layer, e) for e in st.self_evicted)
+        if cpu_part:
+            self.cpu_experts[layer] += len(cpu_part)
+            out += self._cpu(layer, x_h, w_h, ids_h, cpu_part).to(x.device).float()
+        return out.to(x.dtype)
+
+    def _count_refetches(self, layer: int, fetched: list[int]) -> None:
+        """Fetches of experts that their own layer's waves had evicted: what waves cost."""
+        if self._wave_evicted:
+            again = self._wave_evicted.intersection((layer, e) for e in fetched)
+            self.wave_refetches += len(again)
+            self._wave_evicted -= again
 
     def _fetch_budget(self, layer: int, needed: list[int], counts: dict[int, int]) -> int:
         """Hybrid: misses to fetch this step. A fixed moe_hybrid_k, or from the measured
@@ -231,6 +279,7 @@ class MoeRuntime:
             limit = fit if limit is None else limit if fit is None else min(limit, fit)
         missing = sum((nxt, e) not in self.cache.slot_of for e in guessed)
         moved = self.cache.prefetch(nxt, guessed, protected, limit)
+        self._count_refetches(nxt, moved)
         self.prefetch_dropped += missing - len(moved)
         if self.window is not None:
             # After the enqueue: the host time it took is not time the GPU computes.
@@ -337,44 +386,9 @@ class MoeRuntime:
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:
-        c, s = self.cache, self.store
-        window = self.window.latest_s if self.window is not None else {}
-        per_layer = [{"layer": l, "mode": self.mode[l],
-                      "hits": c.hits.get(l, 0) if c else 0,
-                      "misses": c.misses.get(l, 0) if c else 0,
-                      "cpu_experts": self.cpu_experts[l],
-                      "prefetch_window_us": window[l] * 1e6 if l in window else None}
-                     for l in sorted(self.mode)]
-        lookups = c.num_lookups if c else 0
-        hits = sum(c.hits.values()) if c else 0
-        return {
-            "policy": c.policy.name if c else None,
-            "lfu_decay": self.cfg.lfu_decay if c and c.policy.name == "lfu-decay" else None,
-            "cache": None if c is None else {
-                "slots": c.num_slots, "bytes": c.pool_bytes, "min_slots": self.plan.min_slots,
-                "sizing": self.plan.sizing, "layers": list(self.plan.cache_layers),
-                "slots_in_use": len(c.slot_of), "staging_bytes": c.fetcher.staging_bytes},
-            "host": {"expert_bytes": s.total_bytes, "pinned_bytes": s.pinned_bytes,
-                     "pin_budget_bytes": s.pin_budget_bytes},
-            "cpu_layers": list(self.plan.cpu_layers),
-            "cpu_threads": self.cfg.cpu_threads or torch.get_num_threads(),
-            "hybrid_k": self.hybrid_k, "hybrid_k_source": self.hybrid_k_source,
-            "prefetch": self.cfg.prefetch if self.next_cached else "off",
-            "counters": {
-                "steps": self.num_steps, "lookups": lookups, "hits": hits,
-                "misses": lookups - hits, "hit_rate": hits / lookups if lookups else None,
-                "experts_fetched": c.fetcher.num_experts_copied if c else 0,
-                "bytes_fetched": c.fetcher.bytes_copied if c else 0,
-                "fetch_gbps": c.fetcher.achieved_gbps() if c else None,
-                "evictions": c.num_evictions if c else 0,
-                "prefetch_fetched": c.num_prefetched if c else 0,
-                "prefetch_guessed": self.prefetch_guessed, "prefetch_used": self.prefetch_used,
-                "prefetch_dropped": self.prefetch_dropped,
-                "prefetch_accuracy_by_rank": [round(u / g, 4) for u, g in
-                                              zip(self._rank_used, self._rank_guessed)],
-                "prefetch_accuracy": (self.prefetch_used / self.prefetch_guessed
-                                      if self.prefetch_guessed else None),
-                "cpu_experts": sum(self.cpu_experts.values()),
-                "per_layer": per_layer},
-        }
+        """The placement and live counters /v1/instrumentation serves (report.py)."""
+        return runtime_report(self)
 
+    def accuracy_by_rank(self) -> list[float]:
+        """Per rank of a guess (0: most likely): how often the layer then used it."""
+        return [round(u / g, 4) for u, g in zip(self._rank_used, self._rank_guessed)]

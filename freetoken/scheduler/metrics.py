@@ -55,6 +55,10 @@ class EngineMetrics:
                           counter("prefetch_dropped")))
             r.add(Counter("freetoken_expert_cpu_computed", "Routed experts computed on the CPU",
                           counter("cpu_experts")))
+            r.add(Counter("freetoken_expert_waves", "Waves run by MoE layers that needed more "
+                          "experts than the cache has slots", counter("waves")))
+            r.add(Counter("freetoken_expert_wave_refetches", "Experts fetched again after their "
+                          "own layer's later waves evicted them", counter("wave_refetches")))
 
     def on_step(self, seconds: float) -> None:
         self.step.observe(seconds)
