@@ -5,7 +5,9 @@ kernel, anything else runs the torch reference (which is also the correctness or
 This package knows nothing of requests, models or the server: it imports torch and triton only.
 Ops: rms_norm, apply_rope, silu_and_mul, topk_softmax and biased_topk (routing), fused_moe (with
 expert biases and a MoeActivation: SILU or gpt-oss's SWIGLU_OAI), write_kv, paged_attention
-(sliding window, attention sinks, V head dim != K head dim).
+(sliding window, attention sinks, V head dim != K head dim); quant_linear and fused_moe_quant on
+quantized weights (QuantFormat: FP8 block/channel/tensor, MXFP4, NVFP4, INT4), dequantized in
+registers.
 """
 
 from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs
@@ -18,6 +20,9 @@ from triton_kernels.fused_moe import (FUSED_MOE_TOKEN_BUCKETS, SILU, SWIGLU_OAI,
                                       fused_moe, fused_moe_autotune_keys, fused_moe_reference)
 from triton_kernels.kv_write import write_kv, write_kv_reference
 from triton_kernels.paged_attention import paged_attention, paged_attention_reference
+from triton_kernels.dequant import (QuantFormat, dequantize_reference, fused_moe_quant,
+                                    fused_moe_quant_reference, quant_linear,
+                                    quant_linear_reference)
 
 __all__ = [
     "set_backend", "get_backend", "set_fixed_configs",
@@ -30,4 +35,6 @@ __all__ = [
     "MoeActivation", "SILU", "SWIGLU_OAI",
     "write_kv", "write_kv_reference",
     "paged_attention", "paged_attention_reference",
+    "QuantFormat", "dequantize_reference", "quant_linear", "quant_linear_reference",
+    "fused_moe_quant", "fused_moe_quant_reference",
 ]
