@@ -82,8 +82,12 @@ class QuantExpertLayout(ExpertLayout):
         return tuple(parts)
 
     def describe(self) -> str:
-        from_ = "" if self.checkpoint_width == self.width else f", I {self.checkpoint_width} padded to {self.width}"
-        return f"{self.fmt.kind}{from_}"
+        f = self.fmt
+        kind = (f"fp8_block {f.block[0]}x{f.block[1]}" if f.kind == "fp8_block" else
+                f"int4 g{f.group} {'symmetric' if f.symmetric else 'asymmetric'}" if f.kind == "int4"
+                else f.kind)
+        pad = "" if self.checkpoint_width == self.width else f", I {self.checkpoint_width} padded to {self.width}"
+        return f"{kind}{pad}, {self.expert_bytes} bytes per expert"
 
     @staticmethod
     def weights(bank: dict[str, torch.Tensor], which: str) -> dict[str, torch.Tensor]:

@@ -76,12 +76,6 @@ class QuantModel:
             t = torch.cat([t[:, 0::2], t[:, 1::2]], 1)
         return [(f"{bank}.{ExpertBank.attr(which + '.' + name)}", t.contiguous())]
 
-    def report(self) -> dict:
-        """Each part's format, for /v1/instrumentation."""
-        parts = {name: describe_format(f) for name, f in sorted(self.linears.items())}
-        experts = {name: layout.describe() for name, (_, layout) in sorted(self.banks.items())}
-        return {"method": self.scheme.describe(), "linears": parts, "experts": experts}
-
 
 def read_headers(files: list[Path]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{key: (safetensors dtype name, shape)} over every shard, without reading data."""
@@ -163,3 +157,23 @@ def _swap_linear(model, modules, name, fmt, scale_dtype, dtype) -> None:
         new = QuantLinear(old.in_features, old.out_features, fmt, old.bias is not None, dtype,
                           scale_dtype)
     setattr(modules[parent] if parent else model, child, new)
+
+
+def describe_parts(model: nn.Module) -> dict:
+    """{"method": .., "parts": {module pattern: format}} over every projection and expert bank
+    (layer indices folded into `*`), quantized or not: what /v1/instrumentation reports."""
+    parts: dict[str, set[str]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            what = describe_format(mod.fmt)
+        elif isinstance(mod, ExpertBank):
+            layout = mod.layout
+            what = layout.describe() if isinstance(layout, QuantExpertLayout) else str(layout.dtype)[6:]
+        elif isinstance(mod, nn.Linear):
+            what = str(mod.weight.dtype)[6:]
+        else:
+            continue
+        parts.setdefault(re.sub(r"\.\d+\.", ".*.", name), set()).add(what)
+    quant = getattr(model, "quant", None)
+    return {"method": quant.scheme.describe() if quant else None,
+            "parts": {k: " | ".join(sorted(v)) for k, v in sorted(parts.items())}}
