@@ -238,3 +238,28 @@ def test_a_scale_of_the_wrong_shape_names_the_tensor_and_both_shapes(tmp_path, k
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=rf"{key}.*\(3, 5\).*{want}"):
         LLM(str(path), skip_tokenizer_init=True)
+
+
+def _tool():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_model_tool", Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_make_tiny_model_writes_a_sharded_quantized_checkpoint_that_serves(tmp_path, capsys):
+    tool = _tool()
+    out = tmp_path / "tiny"
+    assert tool.main(["--out", str(out), "--quant", "int4-asym", "--num-layers", "2",
+                      "--hidden-size", "64", "--max-shard-mb", "0.3"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and "model.layers.0.self_attn.q_proj.weight_zero_point" in index
+    assert "model.layers.0.self_attn.q_proj.weight" not in index
+    llm = LLM(str(out), skip_tokenizer_init=True, moe_backend="cpu")
+    assert llm.runner.quant_report()["method"] == "compressed-tensors/pack-quantized (int4 g32 asymmetric)"
+    assert len(llm.generate([PROMPT], PARAMS)[0].token_ids) == 12
+    assert tool.main(["--out", str(tmp_path / "x"), "--quant", "mxfp4"]) == 2
+    assert "mxfp4 is gpt-oss' layout" in capsys.readouterr().err and not (tmp_path / "x").exists()
