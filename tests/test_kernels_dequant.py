@@ -14,9 +14,14 @@ from triton_kernels.dequant import (QuantFormat, dequantize_reference, e8m0_to_f
                                     fused_moe_quant_reference, quant_linear_reference,
                                     weight_shape)
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
+from triton_kernels.quant_matmul import quant_linear_triton
+from triton_kernels.quant_moe import fused_moe_quant_triton
 
 FORMATS = {
-    "fp8_block": QuantFormat("fp8_block", block=(16, 16)),
+    # Non-square, so a swapped row/column block size fails (the decode tests use (16, 16)).
+    # The interpreter's K tiles are 32 wide: one scale column per tile here (the kernels' vector
+    # path); "fp8_block_fine" below has two per tile (their per-element gather).
+    "fp8_block": QuantFormat("fp8_block", block=(16, 32)),
     "fp8_channel": QuantFormat("fp8_channel"),
     "fp8_tensor": QuantFormat("fp8_tensor"),
     "mxfp4": QuantFormat("mxfp4"),
@@ -118,7 +123,7 @@ def test_fp8_kinds_known_bytes_ragged_blocks_and_leading_dims():
     raw[raw & 0x7F == 0x7F] = 0x38                                     # no NaN bytes
     raw[0, 0, :4] = torch.tensor([0x38, 0xB8, 0x01, 0x7E], dtype=torch.uint8)
     s = torch.exp2(torch.randint(-5, 6, (2, 3, 3)).float()) * (1 + torch.rand(2, 3, 3))
-    w = dequantize_reference(FORMATS["fp8_block"], {"q": raw.view(torch.float8_e4m3fn), "s": s},
+    w = dequantize_reference(QuantFormat("fp8_block", block=(16, 16)), {"q": raw.view(torch.float8_e4m3fn), "s": s},
                              torch.float64)
     assert w.shape == (2, n, k)
     assert w[0, 0, :4].tolist() == pytest.approx(
@@ -161,27 +166,28 @@ def test_bad_weights_are_rejected():
 # ---- random quantized weights with scales that jump between neighbouring blocks -------------
 
 def random_weight(fmt: QuantFormat, lead: tuple, n: int, k: int) -> dict:
-    """Random tensors for W [*lead, n, k] with entries of size ~1 / sqrt(k), every scale a
-    random power of two in [2^-3, 2^3] times a random mantissa (per block, row, group)."""
+    """Random tensors for W [*lead, n, k] with entries of size ~1 / sqrt(k); every scale (per
+    block, row or group) is a random power of two in [2^-2, 2^2] times a random mantissa, so
+    neighbouring blocks differ up to 32-fold. The divisors undo the elements' RMS (e2m1 ~2.9,
+    int4 q - z ~6.5) and the scales' (~2)."""
     def jumpy(shape):
-        return torch.exp2(torch.randint(-3, 4, shape).float()) * (0.5 + torch.rand(shape))
+        return torch.exp2(torch.randint(-2, 3, shape).float()) * (0.5 + torch.rand(shape))
     bn, bk = fmt.block
     norm = k ** -0.5
     if fmt.kind.startswith("fp8"):
-        q = (torch.randn(*lead, n, k) * 2).to(torch.float8_e4m3fn)
+        q = torch.randn(*lead, n, k).to(torch.float8_e4m3fn)
         s_shape = {"fp8_block": (math.ceil(n / bn), math.ceil(k / bk)), "fp8_channel": (n,),
                    "fp8_tensor": (1,)}[fmt.kind]
         return {"q": q, "s": jumpy(lead + s_shape) * norm / 2}
     q = torch.randint(0, 256, (*lead, n, k // 2), dtype=torch.uint8)
     groups = lead + (n, k // fmt.group_k)
-    if fmt.kind == "mxfp4":
-        s = 127 + torch.randint(-3, 4, groups)
-        # mxfp4's scales are pure powers of two: norm lands in the activations' scale instead.
+    if fmt.kind == "mxfp4":                   # pure powers of two: 2^(s - 127)
+        s = 127 + round(math.log2(norm / 2.9)) + torch.randint(-2, 3, groups)
         return {"q": q, "s": s.to(torch.uint8)}
     if fmt.kind == "nvfp4":
         return {"q": q, "s": jumpy(groups).to(torch.float8_e4m3fn),
-                "g": norm * (0.2 + torch.rand(lead + (1,))) / 2}
-    w = {"q": q, "s": (jumpy(groups) * norm / 4).to(torch.float16)}
+                "g": norm / 6 * (0.5 + torch.rand(lead + (1,)))}
+    w = {"q": q, "s": (jumpy(groups) * norm / 13).to(torch.float16)}
     if not fmt.symmetric:
         w["z"] = torch.randint(0, 16, groups, dtype=torch.uint8)
     return w
@@ -203,3 +209,95 @@ def test_fused_moe_quant_reference_equals_the_dense_reference():
             want = fused_moe_reference(x, dequantize_reference(fmt, w13), dequantize_reference(
                 fmt, w2), weights, ids, slot_map, **kw)
             assert_close(got, want, atol=0, rtol=0, what=f"{name} {act.kind}")
+
+
+# ---- Triton kernels (interpreter on CPU) against the references ----------------------------
+
+def _shapes(name):
+    # fp8: N, K, I off the blocks (D 72, I 40: gate/up halves meet inside a scale block);
+    # 4-bit: K a whole number of groups (int4_sym's are 64 wide).
+    return (72, 40) if name.startswith("fp8") else (64, 64)
+
+
+# float32 and float16 compute alternate over the formats to keep the interpreter's time down.
+CASES = [(name, DTYPES[i % 2]) for i, name in enumerate(FORMATS)]
+FORMATS_LINEAR = dict(FORMATS, fp8_block_fine=QuantFormat("fp8_block", block=(32, 16)))
+LINEAR_CASES = CASES + [("fp8_block_fine", DTYPES[0])]
+
+
+@pytest.mark.parametrize("name,dtype", LINEAR_CASES,
+                         ids=[f"{n}-{str(d)[6:]}" for n, d in LINEAR_CASES])
+def test_quant_linear_matches_reference(name, dtype):
+    fmt = FORMATS_LINEAR[name]
+    k, n = _shapes(name)
+    w = random_weight(fmt, (), n, k)
+    bias = torch.randn(n).to(dtype)
+    for t, path in ((3, "gemv"), (20, "gemm")):
+        x = torch.randn(t, k).to(dtype)
+        got = quant_linear_triton(x, fmt, w, bias, path=path)
+        assert_close(got, quant_linear_reference(x, fmt, w, bias), **TOL_ACCUM[dtype],
+                     what=f"{name} {path}")
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+def test_fused_moe_quant_matches_reference(name, dtype, path):
+    fmt = FORMATS[name]
+    d, inter = _shapes(name)
+    t, e, k, pool = (3 if path == "gemv" else 10), 6, 2, 9
+    w13, w2 = random_weight(fmt, (pool,), 2 * inter, d), random_weight(fmt, (pool,), d, inter)
+    x = torch.randn(t, d).to(dtype)
+    weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k, dim=-1)
+    slot_map = torch.randperm(pool)[:e]
+    b13, b2 = torch.randn(pool, 2 * inter).to(dtype), (0.5 * torch.randn(pool, d)).to(dtype)
+    kw = dict(b13=b13, b2=b2, activation=SWIGLU_OAI if len(name) % 2 else SILU)
+    got = fused_moe_quant_triton(x, fmt, w13, w2, weights, ids, slot_map, **kw, path=path)
+    want = fused_moe_quant_reference(x, fmt, w13, w2, weights, ids, slot_map, **kw)
+    assert_close(got, want, **TOL_ACCUM[dtype], what=f"{name} {path}")
+
+
+def test_kernels_decode_e8m0_extremes_and_bfloat16_scales():
+    # x = I makes the GEMM's output W^T exactly: rows with 2^-127 (kept on CPU, where nothing
+    # flushes subnormals), 2^-126, 2^127 (elements |v| <= 1, still finite) and NaN scales.
+    fmt = QuantFormat("mxfp4")
+    exps = [1, 254, 255, 127] + ([] if torch.cuda.is_available() else [0])
+    q = torch.randint(0, 256, (len(exps), 16), dtype=torch.uint8)
+    small = torch.tensor([0, 1, 2, 8, 9, 10], dtype=torch.uint8)
+    q[1] = small[torch.randint(0, 6, (16,))] | (small[torch.randint(0, 6, (16,))] << 4)
+    w = {"q": q, "s": torch.tensor(exps, dtype=torch.uint8)[:, None]}
+    got = quant_linear_triton(torch.eye(32), fmt, w, path="gemm")
+    want = dequantize_reference(fmt, w).T
+    assert torch.isinf(want).sum() == 0 and torch.isnan(want[:, 2]).all()
+    assert_close(got, want, atol=0, rtol=0, what="mxfp4 extremes")
+    # bfloat16 int4 scales reach the kernel as their bits (the interpreter cannot load bf16).
+    fmt = QuantFormat("int4", group=32)
+    w = random_weight(fmt, (), 24, 64)
+    w["s"] = w["s"].to(torch.bfloat16)
+    x = torch.randn(2, 64)
+    assert_close(quant_linear_triton(x, fmt, w, path="gemv"), quant_linear_reference(x, fmt, w),
+                 **TOL_ACCUM[torch.float32], what="int4 bf16 scales")
+
+
+def test_public_ops_dispatch_and_launchers_reject_bad_layouts():
+    fmt = FORMATS["nvfp4"]
+    w13, w2 = random_weight(fmt, (4,), 64, 32), random_weight(fmt, (4,), 32, 32)
+    x = torch.randn(2, 32)
+    weights, ids = torch.topk(torch.randn(2, 4).softmax(-1), 2, dim=-1)
+    want = fused_moe_quant_reference(x, fmt, w13, w2, weights, ids)
+    lin = random_weight(fmt, (), 16, 32)
+    for backend in ("triton", "reference"):
+        tk.set_backend(backend)
+        try:
+            assert_close(tk.fused_moe_quant(x, fmt, w13, w2, weights, ids), want,
+                         **TOL_ACCUM[torch.float32], what=backend)
+            assert_close(tk.quant_linear(x, fmt, lin), quant_linear_reference(x, fmt, lin),
+                         **TOL_ACCUM[torch.float32], what=backend)
+        finally:
+            tk.set_backend("auto")
+    strided = dict(lin, s=lin["s"].t().contiguous().t())
+    with pytest.raises(ValueError, match="contiguous"):
+        quant_linear_triton(x, fmt, strided)
+    with pytest.raises(ValueError, match="path"):
+        fused_moe_quant_triton(x, fmt, w13, w2, weights, ids, path="dense")
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe_quant_triton(x, fmt, w13, random_weight(fmt, (4,), 32, 48), weights, ids)

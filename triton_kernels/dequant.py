@@ -189,6 +189,123 @@ def fused_moe_quant_reference(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=
     return out
 
 
+# ---- the in-kernel decode -------------------------------------------------------------------
+# Every byte is decoded by bit arithmetic rather than through float8 pointers: the same code runs
+# on sm_80 (no fp8 conversions), sm_90 and in the interpreter. An e4m3 byte's exponent and
+# mantissa moved into float16's (bits 13-7) give its value / 2^8, subnormals included; an e2m1
+# nibble's (bits 11-9) its value / 2^14; an E8M0 byte is float32's exponent field. These
+# decodes are exact; the one rounding is the product with the scale, in float32 as the
+# reference does it. Difference: a NaN e4m3 byte (0x7F, 0xFF) decodes as +-480, not NaN.
+
+@triton.jit
+def _e4m3_to_f32(byte):
+    b = byte.to(tl.int32)
+    half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 256.0
+
+
+@triton.jit
+def _e2m1_to_f32(nibble):
+    half = (((nibble & 8) << 12) | ((nibble & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _e8m0_to_f32(byte):
+    e = byte.to(tl.int32)
+    f = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+    return tl.where(e == 255, float("nan"), f)
+
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, rows, cols, k0, row_mask, col_mask, stride_qn,
+                  stride_sn, KIND: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, SCALE_BF16: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[rows, cols] in float32 for the K tile cols = k0 + arange(BLOCK_K): rows [1, BN] and
+    cols [BK, 1] (tl.dot's orientation) or rows [BN, 1] and cols [1, BK] (a GEMV's), with their
+    masks; masked elements are 0. The pointers are at one weight's (or expert's) base; "q" rows
+    are stride_qn apart, scale rows stride_sn; fp8 "q" and e4m3 "s" come as uint8, bfloat16
+    "s" as int16 (the interpreter cannot load bfloat16)."""
+    mask = row_mask & col_mask
+    if KIND == "fp8_block" or KIND == "fp8_channel" or KIND == "fp8_tensor":
+        w = _e4m3_to_f32(tl.load(q_ptr + rows * stride_qn + cols, mask=mask, other=0))
+        if KIND == "fp8_block":
+            s_rows = s_ptr + (rows // SCALE_ROWS) * stride_sn
+            if GROUP_K % BLOCK_K == 0:
+                # The K tile lies in one scale block: a [BN] vector, not a float32 gather per
+                # element (which the pipeliner would stage in shared memory, 4 bytes each).
+                scale = tl.load(s_rows + k0 // GROUP_K, mask=row_mask, other=0.0)
+            else:
+                scale = tl.load(s_rows + cols // GROUP_K, mask=mask, other=0.0)
+        elif KIND == "fp8_channel":
+            scale = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+        else:
+            scale = tl.load(s_ptr)
+        w = w * scale
+    else:
+        byte = tl.load(q_ptr + rows * stride_qn + cols // 2, mask=mask, other=0).to(tl.int32)
+        nibble = (byte >> ((cols & 1) * 4)) & 0xF          # element 2j low, 2j+1 high
+        s_ptrs = s_ptr + rows * stride_sn + cols // GROUP_K
+        if KIND == "int4":
+            if HAS_ZERO:
+                zero = tl.load(z_ptr + rows * stride_sn + cols // GROUP_K, mask=mask,
+                               other=0).to(tl.int32)
+            else:
+                zero = 8
+            if SCALE_BF16:
+                bits = tl.load(s_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
+                scale = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+            w = (nibble - zero).to(tl.float32) * scale
+        elif KIND == "mxfp4":
+            w = _e2m1_to_f32(nibble) * _e8m0_to_f32(tl.load(s_ptrs, mask=mask, other=127))
+        else:
+            scale = _e4m3_to_f32(tl.load(s_ptrs, mask=mask, other=0))
+            w = _e2m1_to_f32(nibble) * scale * tl.load(g_ptr)
+    return w
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelWeight:
+    """One checked weight (or bank) as the kernels take it: the four pointers' tensors (absent
+    ones stand in with "s", never read), their strides (slot strides 0 for a 2-d weight) and
+    the decode's constexprs."""
+    q: torch.Tensor
+    s: torch.Tensor
+    z: torch.Tensor
+    g: torch.Tensor
+    stride_qs: int
+    stride_qn: int
+    stride_ss: int
+    stride_sn: int
+    stride_gs: int
+    constexprs: dict
+
+    @staticmethod
+    def of(fmt: QuantFormat, w: dict, what: str) -> "KernelWeight":
+        lead, _, _ = weight_shape(fmt, w, what)
+        q, s = w["q"], w["s"]
+        if q.stride(-1) != 1 or not all(w[name].is_contiguous() for name in fmt.names()[1:]):
+            raise ValueError(f"{what}: the kernels need q with a contiguous last dimension and "
+                             f"contiguous {list(fmt.names()[1:])}")
+        if q.dtype == torch.float8_e4m3fn:
+            q = q.view(torch.uint8)
+        if s.dtype in (torch.float8_e4m3fn, torch.bfloat16):
+            s = s.view(torch.uint8 if s.dtype == torch.float8_e4m3fn else torch.int16)
+        z, g = w.get("z", s), w.get("g", s)
+        banked = bool(lead)
+        return KernelWeight(
+            q, s, z, g, q.stride(0) if banked else 0, q.stride(-2),
+            s.stride(0) if banked else 0, s.stride(-2) if s.dim() - banked == 2 else 0,
+            g.stride(0) if banked and "g" in w else 0,
+            dict(KIND=fmt.kind, SCALE_ROWS=fmt.block[0], GROUP_K=fmt.group_k,
+                 HAS_ZERO="z" in w, SCALE_BF16=w["s"].dtype == torch.bfloat16))
+
+    def pointers(self) -> tuple:
+        return self.q, self.s, self.z, self.g
+
+
 # ---- argument checks ------------------------------------------------------------------------
 
 def _check_linear(x, fmt, w, bias):
@@ -231,14 +348,25 @@ def _check_moe(x, fmt, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activ
 
 # ---- public ops -----------------------------------------------------------------------------
 
+# The Triton launchers import this module (formats, checks, the decode), so they are imported
+# where they run.
+
 def quant_linear(x: torch.Tensor, fmt: QuantFormat, w: dict,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] @ W^T (+ bias) -> [T, N] in x's dtype, W quantized as fmt says."""
+    if use_triton(x):
+        from triton_kernels.quant_matmul import quant_linear_triton
+        return quant_linear_triton(x, fmt, w, bias)
     return quant_linear_reference(x, fmt, w, bias)
 
 
 def fused_moe_quant(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None,
                     b2=None, activation: MoeActivation = SILU):
     """triton_kernels.fused_moe on quantized banks w13 {"q": [S, 2I, ..], ..}, w2 {"q": [S, D, ..]}."""
-    return fused_moe_quant_reference(x, fmt, w13, w2, topk_weights, topk_ids, slot_map,
-                                     b13=b13, b2=b2, activation=activation)
+    if use_triton(x):
+        from triton_kernels.quant_moe import fused_moe_quant_triton
+        op = fused_moe_quant_triton
+    else:
+        op = fused_moe_quant_reference
+    return op(x, fmt, w13, w2, topk_weights, topk_ids, slot_map, b13=b13, b2=b2,
+              activation=activation)
