@@ -263,3 +263,26 @@ def test_make_tiny_model_writes_a_sharded_quantized_checkpoint_that_serves(tmp_p
     assert len(llm.generate([PROMPT], PARAMS)[0].token_ids) == 12
     assert tool.main(["--out", str(tmp_path / "x"), "--quant", "mxfp4"]) == 2
     assert "mxfp4 is gpt-oss' layout" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_nvfp4_gate_and_up_with_different_global_scales(tmp_path, caplog):
+    """w13 has one global scale per expert: a checkpoint whose gate and up differ keeps the
+    larger and rescales the other half's block scales (by 1/2 here: exact in e4m3)."""
+    from transformers import AutoModelForCausalLM
+    path = tiny(tmp_path / "q", "qwen3_moe", "nvfp4", num_layers=1, mlp_only_layers=())
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    key = "model.layers.0.mlp.experts.5.up_proj.weight_global_scale"
+    tensors[key] = tensors[key] * 2                 # the divisor: up's multiplier halves
+    save_file(tensors, f, metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(dequantize_checkpoint(path, tmp_path / "deq"),
+                                              dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0]
+    with caplog.at_level("WARNING", logger="freetoken.models"):
+        llm = LLM(str(path), skip_tokenizer_init=True)
+    assert "1 expert halves had a gate/up global scale unlike" in caplog.text
+    bank = llm.runner.model.moe_blocks()[0].experts
+    gate_g = 1.0 / tensors["model.layers.0.mlp.experts.5.gate_proj.weight_global_scale"]
+    assert bank.w13_g[5].item() == pytest.approx(gate_g.item(), rel=1e-6)
+    assert rel_err(llm.logits(PROMPT), want) < 1e-3
