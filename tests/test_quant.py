@@ -39,6 +39,7 @@ CASES = [("fp8", "qwen3_moe"), ("fp8-tensor", "qwen3_moe"), ("nvfp4", "qwen3_moe
 BACKENDS = [("offload-min", dict(moe_backend="offload", moe_cache_size="min")),
             ("cpu", dict(moe_backend="cpu")),
             ("hybrid-k1", dict(moe_backend="hybrid", moe_cache_size="min", moe_hybrid_k=1)),
+            ("hybrid-measured-k", dict(moe_backend="hybrid", moe_cache_size="min")),
             ("offload-cpu-layers", dict(moe_backend="offload", moe_cache_size="min",
                                         moe_cpu_layers=1))]
 
