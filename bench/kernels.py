@@ -17,6 +17,12 @@ sorted, grouped GEMMs ("grouped"); a closing table says which is faster at each 
 where triton_kernels.fused_moe._GEMV_MAX_TOKENS belongs. Its rows also give the tuned
 config's relative error against the reference on the same inputs (the kernel tests on CUDA
 run one fixed config, so this is where the tuned ones are checked).
+
+fused_moe_quant times the same MoE decode on quantized expert banks (triton_kernels.dequant's
+formats), counting the quantized bytes streamed (q and its scales); a closing table gives each
+format's GB/s as a fraction of the copy ceiling measured here and of /work/shared/GPU.md's
+H200 reading, and its time against bf16 fused_moe at the same T (the bytes saved are the
+point: at decode a quantized layer should take about its byte ratio of the bf16 time).
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 MOE_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)      # both fused_moe forms
 MOE_PREFILL_TOKENS = (512, 4096)                  # grouped only
 OPS = ("rms_norm", "rope", "silu_and_mul", "topk_softmax", "write_kv", "paged_attention",
-       "fused_moe", "mla_attention")
+       "fused_moe", "mla_attention", "fused_moe_quant")
 # MLA's absorbed attention over the latent: kv_lora_rank 512, qk_rope_head_dim 64 for both;
 # (label, query heads, softmax scale = (qk_nope + qk_rope) ** -0.5).
 MLA_L, MLA_R = 512, 64
 MLA_MODELS = (("deepseek-v3", 128, (128 + 64) ** -0.5), ("glm-4.7-flash", 20, (192 + 64) ** -0.5))
+MOE_QUANT_TOKENS = (1, 4, 8, 16, 64)              # GEMV up to 8, grouped above
+H200_COPY_GBS = 4230                              # /work/shared/GPU.md: memory copy, 1 GB
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -273,10 +281,78 @@ def mla_attention_cases(dt):
                                                             mla_attention_reference(*a)))
 
 
+def random_quant_bank(fmt, e: int, n: int, k: int, device="cuda") -> dict:
+    """A random [e, n, k] bank in fmt's tensors, entries ~1 / sqrt(k) (for the error check)."""
+    norm = k ** -0.5
+    if fmt.kind.startswith("fp8"):
+        bn, bk = fmt.block
+        s_shape = {"fp8_block": (-(-n // bn), -(-k // bk)), "fp8_channel": (n,),
+                   "fp8_tensor": (1,)}[fmt.kind]
+        return {"q": torch.randn(e, n, k, device=device).to(torch.float8_e4m3fn),
+                "s": norm * (0.5 + torch.rand((e,) + s_shape, device=device))}
+    q = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device)
+    groups = (e, n, k // fmt.group_k)
+    if fmt.kind == "mxfp4":
+        return {"q": q, "s": torch.randint(118, 122, groups, dtype=torch.uint8, device=device)}
+    if fmt.kind == "nvfp4":
+        return {"q": q, "s": (0.5 + torch.rand(groups, device=device)).to(torch.float8_e4m3fn),
+                "g": torch.full((e, 1), norm / 3, device=device)}
+    w = {"q": q, "s": (norm / 7 * (0.5 + torch.rand(groups, device=device))).to(torch.bfloat16)}
+    if not fmt.symmetric:
+        w["z"] = torch.randint(0, 16, groups, dtype=torch.uint8, device=device)
+    return w
+
+
+def fused_moe_quant_cases(dt, device="cuda"):
+    from triton_kernels.dequant import QuantFormat, fused_moe_quant_reference
+    from triton_kernels.quant_moe import fused_moe_quant_triton
+    formats = [QuantFormat("fp8_block"), QuantFormat("fp8_channel"), QuantFormat("mxfp4"),
+               QuantFormat("nvfp4"), QuantFormat("int4", group=128)]
+    for fmt in formats:
+        w13 = random_quant_bank(fmt, EXPERTS, 2 * WIDTH, HIDDEN, device)
+        w2 = random_quant_bank(fmt, EXPERTS, HIDDEN, WIDTH, device)
+        expert_bytes = sum(t[0].numel() * t.element_size() for w in (w13, w2) for t in w.values())
+        for t in MOE_QUANT_TOKENS:
+            x = torch.randn(t, HIDDEN, dtype=dt, device=device)
+            routings = [torch.topk(torch.randn(t, EXPERTS, device=device).softmax(-1), TOP_K, -1)
+                        for _ in range(8)]
+            unique = sum(len(torch.unique(ids)) for _, ids in routings) / len(routings)
+            turn = iter(range(10**12))
+
+            def run(fn, x=x, routings=routings, turn=turn, w13=w13, w2=w2, fmt=fmt):
+                w, ids = routings[next(turn) % len(routings)]
+                return fn(x, fmt, w13, w2, w, ids)
+
+            w0, ids0 = routings[0]
+            label = fmt.kind + (f"/g{fmt.group}" if fmt.kind == "int4" else "")
+            yield Case("fused_moe_quant", f"{label} T={t} E={EXPERTS} k={TOP_K} I={WIDTH}",
+                       lambda run=run: run(fused_moe_quant_triton),
+                       (lambda run=run: run(fused_moe_quant_reference)) if t == 1 else None,
+                       unique * expert_bytes, flops=2 * t * TOP_K * 3 * HIDDEN * WIDTH,
+                       check=lambda x=x, w0=w0, ids0=ids0, w13=w13, w2=w2, fmt=fmt: (
+                           fused_moe_quant_triton(x, fmt, w13, w2, w0, ids0),
+                           fused_moe_quant_reference(x, fmt, w13, w2, w0, ids0)))
+
+
+def print_quant_ratios(rows: list, dense: dict, ceiling: float) -> None:
+    """fused_moe_quant rows: GB/s as fractions of the copy ceilings, and time vs bf16."""
+    if not rows:
+        return
+    print(f"\nquantized MoE decode: GB/s of quantized bytes / copy ceiling here ({ceiling / 1e9:.0f}"
+          f" GB/s) and / GPU.md's H200 ({H200_COPY_GBS} GB/s); time / fused_moe's at that T")
+    for shape, seconds, gbs in rows:
+        t = shape.split("T=")[1].split()[0]
+        base = dense.get(t)
+        vs = f"{seconds / base:.2f}x the dense time" if base else "(no fused_moe row at this T)"
+        print(f"  {shape:<44} {gbs / 1e9:>6.0f} GB/s  {gbs / ceiling:>5.0%} here  "
+              f"{gbs / 1e9 / H200_COPY_GBS:>5.0%} of GPU.md  {vs}")
+
+
 CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "silu_and_mul": silu_and_mul_cases,
          "topk_softmax": topk_softmax_cases, "write_kv": write_kv_cases,
          "paged_attention": paged_attention_cases, "fused_moe": fused_moe_cases,
-         "mla_attention": mla_attention_cases}
+         "mla_attention": mla_attention_cases,
+         "fused_moe_quant": fused_moe_quant_cases}
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -321,6 +397,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     forms = {}          # (op, shape) -> {variant: (eager s, graph s or None)}
+    dense, quant = {}, []   # fused_moe's best time per T; fused_moe_quant's (shape, s, B/s)
     for op in args.ops:
         for case in CASES[op](dt):
             eager = time_eager(case.triton, args.reps, args.rounds)
@@ -339,7 +416,13 @@ def main(argv=None) -> int:
                   f"{relative_error(case):>8}")
             if case.variant:
                 forms.setdefault((case.op, case.shape), {})[case.variant] = (eager, graph)
+            if case.op == "fused_moe":
+                t = case.shape.split()[0][2:]
+                dense[t] = min(dense.get(t, math.inf), kernel_time)
+            elif case.op == "fused_moe_quant":
+                quant.append((case.shape, kernel_time, gbs))
     print_fastest_forms(forms)
+    print_quant_ratios(quant, dense, ceiling)
     return 0
 
 

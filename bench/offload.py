@@ -4,6 +4,12 @@ prefetch accuracy, and the baselines a user would reach for, in one run.
 
     python bench/offload.py                       # Qwen3-30B-A3B-shaped, 8 layers, bf16, GPU
     python bench/offload.py --scale tiny --device cpu --skip-transformers   # logic check on CPU
+    python bench/offload.py --quant fp8           # the same with FP8 experts (any --quant of
+                                                  # tools/make_tiny_model.py; mxfp4: --family gpt_oss)
+
+With --quant the checkpoint is written in that method's layout and kept quantized; the cache
+gets the same bytes as bf16's --cache-rate (so 2-4x more experts fit) and the bounds use the
+quantized expert bytes.
 
 The model (hidden 2048, 128 experts, top-8, expert width 768, 32/4 heads of 128) is generated
 on the spot with random weights. The expert cache holds --cache-rate of all expert bytes.
@@ -113,7 +119,10 @@ def freetoken_arm(model_dir, args, name, kw) -> dict:
     from freetoken import LLM
     kw = dict(device=args.device, dtype=args.dtype, max_model_len=512, **kw)
     if kw["moe_backend"] != "resident":
-        kw["moe_cache_rate"] = args.cache_rate
+        if args.cache_slots:        # --quant: bf16's byte budget, in quantized experts
+            kw["moe_cache_size"] = args.cache_slots
+        else:
+            kw["moe_cache_rate"] = args.cache_rate
     llm = LLM(str(model_dir), skip_tokenizer_init=True, **kw)
     out = {"arm": f"freetoken-{name}"}
     for batch in (1, 8):
@@ -177,7 +186,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
     p.add_argument("--out")
+    p.add_argument("--quant", default=None, help="tools/make_tiny_model.py --quant: experts and "
+                   "projections quantized in that method's layout (fp8 blocks 128x128, int4 g32)")
     args = p.parse_args(argv)
+    args.cache_slots = None
     from freetoken.demo.tiny_model import make_tiny_model, skew_routers
 
     device = torch.device(args.device)
@@ -187,11 +199,24 @@ def main(argv=None) -> int:
         model_dir = Path(tmp) / "model"
         t0 = time.perf_counter()
         make_tiny_model(model_dir, family=args.family, seed=0, dtype=args.dtype, **SHAPES[args.scale])
-        report["model_build_s"] = time.perf_counter() - t0
         # The family's own expert layout (gpt-oss adds biases), read off the meta-built model.
         from freetoken.models.loader import init_model
+        if args.quant:
+            from freetoken.models.quant.encode import quantize_checkpoint
+            blocks = init_model(model_dir, args.dtype)[0].moe_blocks()
+            float_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
+            quantize_checkpoint(model_dir, args.quant)
+            args.skip_transformers = True     # its loaders are not the oracle of this bench
+        report["model_build_s"] = time.perf_counter() - t0
         blocks = init_model(model_dir, args.dtype)[0].moe_blocks()
         expert_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
+        report["expert_bytes"] = expert_bytes
+        if args.quant:
+            n = sum(b.experts.num_experts for b in blocks.values())
+            args.cache_slots = min(n, int(args.cache_rate * n * float_bytes) // expert_bytes)
+            report["quant"] = {"format": next(iter(blocks.values())).experts.layout.describe(),
+                               "bf16_expert_bytes": float_bytes, "cache_slots": args.cache_slots,
+                               "bf16_cache_slots": int(args.cache_rate * n)}
         report["active_expert_bytes_per_token"] = expert_bytes * sum(b.top_k for b in blocks.values())
         for routing in ("uniform", "skewed"):
             if routing == "skewed":

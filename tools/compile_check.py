@@ -265,7 +265,77 @@ def small_forms(p: str):
                 RENORMALIZE=True, BLOCK_T=16, BLOCK_E=E, BLOCK_K=K), 4, 3)
 
 
-def forms(dtype: str):
+QUANT_KINDS = ("fp8_block", "fp8_channel", "fp8_tensor", "mxfp4", "nvfp4", "int4")
+
+
+def quant_forms(p: str, d=D, inter=I, top_k=K, every_config=False):
+    """quant_linear (GEMV, GEMM) and fused_moe_quant (GEMV, grouped) for every format at
+    Qwen3-30B-A3B's expert shapes. By default (CI time) each format compiles the GEMVs' fixed
+    config, the linear GEMM's first decode tile and GEMM1's largest prefill tile (the most shared
+    memory); the second MoE kernels (one weight tile, same decode) only for int4, which compiles
+    asymmetric with bfloat16 scales (the most code). every_config: each autotune config."""
+    fm = importlib.import_module("triton_kernels.fused_moe")
+    qm = importlib.import_module("triton_kernels.quant_matmul")
+    qo = importlib.import_module("triton_kernels.quant_moe")
+    fixed = fm._FIXED_GPU_CONFIG
+    fixed_c = [(dict(BLOCK_N=fixed["BLOCK_N"], BLOCK_K=fixed["BLOCK_K"]), fixed["num_warps"],
+                fixed["num_stages"])]
+    gemv_c = [(c.kwargs, c.num_warps, c.num_stages) for c in fm._GEMV_CONFIGS] + fixed_c
+    gemm_c = ([(dict(c.kwargs, BLOCK_M=16), c.num_warps, c.num_stages) for c in fm._DECODE_CONFIGS]
+              + [(dict(c.kwargs, BLOCK_M=64), c.num_warps, c.num_stages)
+                 for c in fm._PREFILL_CONFIGS] + [(dict(fixed_c[0][0], BLOCK_M=64),) + fixed_c[0][1:]])
+    if not every_config:
+        gemv_c, gemm_c = fixed_c, [(dict(c.kwargs, BLOCK_M=bm), c.num_warps, c.num_stages)
+                                   for bm, c in ((16, fm._DECODE_CONFIGS[0]),
+                                                 (64, fm._PREFILL_CONFIGS[-1]))]
+    for kind in QUANT_KINDS:
+        group = {"fp8_block": 128, "mxfp4": 32, "nvfp4": 16, "int4": 128}.get(kind, 1)
+        packed = kind in ("mxfp4", "nvfp4", "int4")
+        fmt = dict(KIND=kind, SCALE_ROWS=128, GROUP_K=group, HAS_ZERO=kind == "int4",
+                   SCALE_BF16=kind == "int4", q_ptr="*u8", s_ptr="*i16" if kind == "int4" else
+                   ("*u8" if kind in ("mxfp4", "nvfp4") else "*fp32"), z_ptr="*u8", g_ptr="*fp32")
+        qstride = lambda k: k // 2 if packed else k                      # noqa: E731
+        sstride = lambda k: k // group if group > 1 else 0               # noqa: E731
+        lin = dict(fmt, x_ptr=p, b_ptr=p, out_ptr=p, M_BUCKET=1, N=d, K=d, stride_xt=d,
+                   stride_qn=qstride(d), stride_sn=sstride(d), stride_ot=d, HAS_BIAS=True)
+        second = every_config or kind == "int4"
+        for kw, w, s in gemv_c:
+            yield (f"quant gemv {kind} BN{kw['BLOCK_N']} BK{kw['BLOCK_K']}", qm._quant_gemv_kernel,
+                   dict(lin, **kw), w, s)
+        for kw, w, s in gemm_c[:1] if not every_config else gemm_c:
+            yield (f"quant gemm {kind} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} BK{kw['BLOCK_K']}",
+                   qm._quant_linear_kernel, dict(lin, **kw, T=1000, GROUP_M=8,
+                                                 DOT_PRECISION=None), w, s)
+        act = dict(alpha=1.702, limit=7.0, ACTIVATION="silu")
+        w13 = dict(stride_qs=2 * inter * qstride(d), stride_qn=qstride(d),
+                   stride_ss=2 * inter * max(1, sstride(d)), stride_sn=sstride(d), stride_gs=1)
+        w2 = dict(stride_qs=d * qstride(inter), stride_qn=qstride(inter),
+                  stride_ss=d * max(1, sstride(inter)), stride_sn=sstride(inter), stride_gs=1)
+        gemv = dict(fmt, ids_ptr="*i64", slot_map_ptr="*i32", M_BUCKET=1, TOP_K=top_k,
+                    HAS_SLOT_MAP=True, HAS_BIAS=True)
+        gemv1 = dict(gemv, **act, **w13, x_ptr=p, b13_ptr=p, act_ptr=p, N=inter, K=d,
+                     stride_xt=d, stride_bs=2 * inter, stride_at=inter)
+        gemv2 = dict(gemv, **w2, act_ptr=p, b2_ptr=p, out_ptr=p, topk_w_ptr="*fp32", N=d,
+                     K=inter, stride_at=inter, stride_bs=d, stride_ot=d)
+        for kw, w, s in gemv_c:
+            label = f"{kind} BN{kw['BLOCK_N']} BK{kw['BLOCK_K']}"
+            yield f"qmoe gemv1 {label}", qo._qmoe_gemv1_kernel, dict(gemv1, **kw), w, s
+            if second:
+                yield f"qmoe gemv2 {label}", qo._qmoe_gemv2_kernel, dict(gemv2, **kw), w, s
+        gemm = dict(fmt, sorted_ids_ptr="*i32", block_slot_ptr="*i32", num_padded_ptr="*i32",
+                    num_pairs=1000, M_BUCKET=64, GROUP_M=8, DOT_PRECISION=None, HAS_BIAS=True)
+        gemm1 = dict(gemm, **act, **w13, x_ptr=p, b13_ptr=p, act_ptr=p, N=inter, K=d,
+                     stride_xt=d, stride_bs=2 * inter, stride_at=inter, TOP_K=top_k)
+        gemm2 = dict(gemm, **w2, act_ptr=p, b2_ptr=p, out_ptr=p, topk_w_ptr="*fp32", N=d,
+                     K=inter, stride_at=inter, stride_bs=d, stride_ot=d)
+        for kw, w, s in gemm_c[1:] if not every_config else gemm_c:
+            label = f"{kind} BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} BK{kw['BLOCK_K']}"
+            yield f"qmoe gemm1 {label}", qo._qmoe_gemm1_kernel, dict(gemm1, **kw), w, s
+            if second:
+                yield f"qmoe gemm2 {label}", qo._qmoe_gemm2_kernel, dict(gemm2, **kw), w, s
+
+
+def forms(dtype: str, every_quant_config=False):
     p = POINTER[dtype]
     yield from moe_forms(p)
     yield from moe_forms(p, **OSS_MOE)
@@ -277,6 +347,7 @@ def forms(dtype: str):
     yield from mla_forms(p)
     yield from small_forms(p)
     yield from routing_forms()
+    yield from quant_forms(p, every_config=every_quant_config)
 
 
 def main(argv=None) -> int:
@@ -284,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, action="append", choices=sorted(SHARED_LIMIT),
                     help="compute capability x10 (default: 90 and 80)")
     ap.add_argument("--dtype", choices=sorted(POINTER), default="bf16")
+    ap.add_argument("--every-quant-config", action="store_true",
+                    help="compile the quantized kernels in each autotune config (slow)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: unset TRITON_INTERPRET (under it @triton.jit builds interpreter "
@@ -291,7 +364,7 @@ def main(argv=None) -> int:
         return 2
     failed = 0
     for arch in args.arch or [90, 80]:
-        for label, fn, kernel_args, warps, stages in forms(args.dtype):
+        for label, fn, kernel_args, warps, stages in forms(args.dtype, args.every_quant_config):
             try:
                 shared = compile_form(fn, kernel_args, warps, stages, arch)
             except Exception as e:          # noqa: BLE001 - a failed compile is the finding

@@ -4,6 +4,7 @@
     python tools/make_tiny_model.py --family qwen3_moe --out /tmp/tiny
     python tools/make_tiny_model.py --family mixtral --out /tmp/tiny-mx --max-shard-mb 1
     python tools/make_tiny_model.py --family glm4_moe --out /tmp/tiny-glm --no-mtp
+    python tools/make_tiny_model.py --family gpt_oss --out /tmp/tiny-oss --quant mxfp4
 
 Families: qwen3_moe, qwen2_moe, mixtral, gpt_oss, glm4_moe, minimax_m2, olmoe, ernie4_5_moe,
 qwen3_next, qwen3_5_moe (the released VL-wrapper layout), deepseek_v3, glm4_moe_lite.
@@ -21,6 +22,7 @@ from pathlib import Path
 # This checkout's freetoken, even where another one is installed (a git worktree, say).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetoken.demo.tiny_model import FAMILIES, TinyShape, make_tiny_model  # noqa: E402
+from freetoken.models.quant.encode import QUANTS, quantize_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,15 +87,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--v-head-dim", type=int, default=d.v_head_dim, help=mla)
     p.add_argument("--rope-yarn-factor", type=float, default=d.rope_yarn_factor,
                    help=f"{mla}: YaRN factor (DeepSeek's mscale), 0 for plain RoPE")
+    p.add_argument("--quant", choices=QUANTS, default=None,
+                   help="write the weights quantized, in that method's real on-disk layout "
+                        "(freetoken/models/quant/encode.py; mxfp4 is gpt_oss' own)")
+    p.add_argument("--quant-block", default="128,128", help="fp8 weight_block_size rows,cols")
+    p.add_argument("--quant-group", type=int, default=32, help="int4 group size (32, 64, 128)")
+    p.add_argument("--quant-skew", type=float, default=2.0,
+                   help="scale blocks drawn up to 2^skew apart, so indexing mistakes show")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    shape = {k: v for k, v in vars(a).items() if k not in ("family", "out", "seed", "chat_template")}
+    shape = {k: v for k, v in vars(a).items() if k not in ("family", "out", "seed", "chat_template")
+             and not k.startswith("quant")}
     shape["mlp_only_layers"] = tuple(int(i) for i in a.mlp_only_layers.split(",") if i.strip())
+    if a.quant and (a.quant == "mxfp4") != (a.family == "gpt_oss"):
+        print(f"make_tiny_model: --quant {a.quant} with --family {a.family}: mxfp4 is gpt-oss' "
+              f"layout, and gpt-oss' experts are only released in it", file=sys.stderr)
+        return 2
     try:
         out = make_tiny_model(a.out, family=a.family, seed=a.seed, chat_template=a.chat_template, **shape)
+        if a.quant:
+            block = tuple(int(b) for b in a.quant_block.split(","))
+            quantize_checkpoint(out, a.quant, block=block, group=a.quant_group, skew=a.quant_skew,
+                                seed=a.seed)
     except ValueError as e:
         print(f"make_tiny_model: {e}", file=sys.stderr)
         return 2

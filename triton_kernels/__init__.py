@@ -7,7 +7,9 @@ Ops: rms_norm, apply_rope, silu_and_mul, topk_softmax and biased_topk (routing),
 expert biases and a MoeActivation: SILU or gpt-oss's SWIGLU_OAI), write_kv, paged_attention
 (sliding window, attention sinks, V head dim != K head dim); Gated DeltaNet's gated_delta_rule
 and causal_conv1d (varlen, their states in slot pools); mla_attention and write_latent
-(absorbed multi-head latent attention over a paged latent cache).
+(absorbed multi-head latent attention over a paged latent cache); quant_linear and fused_moe_quant on
+quantized weights (QuantFormat: FP8 block/channel/tensor, MXFP4, NVFP4, INT4), dequantized in
+registers.
 """
 
 from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs
@@ -24,6 +26,9 @@ from triton_kernels.gated_delta import gated_delta_rule, gated_delta_rule_refere
 from triton_kernels.causal_conv1d import causal_conv1d, causal_conv1d_reference
 from triton_kernels.mla_attention import (mla_attention, mla_attention_reference, write_latent,
                                           write_latent_reference)
+from triton_kernels.dequant import (QuantFormat, dequantize_reference, fused_moe_quant,
+                                    fused_moe_quant_reference, quant_linear,
+                                    quant_linear_reference)
 
 __all__ = [
     "set_backend", "get_backend", "set_fixed_configs",
@@ -39,4 +44,6 @@ __all__ = [
     "gated_delta_rule", "gated_delta_rule_reference",
     "causal_conv1d", "causal_conv1d_reference",
     "mla_attention", "mla_attention_reference", "write_latent", "write_latent_reference",
+    "QuantFormat", "dequantize_reference", "quant_linear", "quant_linear_reference",
+    "fused_moe_quant", "fused_moe_quant_reference",
 ]

@@ -24,6 +24,7 @@ from freetoken.engine.cache_spec import bytes_per_slot, bytes_per_token
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
                                      resolve_model_path)
+from freetoken.models.quant.apply import describe_parts
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
 from freetoken.moe.runtime import MoeRuntime
 from freetoken.moe.store import ExpertStore
@@ -140,6 +141,10 @@ class ModelRunner:
             self.moe_plan = runtime.plan
             log.info("MoE experts: %s (%s)", runtime.plan.backend, runtime.plan.reason)
         return runtime
+
+    def quant_report(self) -> dict:
+        """Each part's weight format (quantized or the float dtype), for /v1/instrumentation."""
+        return describe_parts(self.model)
 
     def moe_report(self) -> dict:
         """Where the experts live and how the cache is doing: the resolved plan, read back off

@@ -6,9 +6,9 @@ bias and takes softmax over its top-k logits; experts have biases and the clampe
 
 The checkpoint stores each layer's experts fused and transposed, gate and up interleaved:
 gate_up_proj [E, D, 2I] (even columns gate, odd up), down_proj [E, I, D], biases beside;
-KEY_MAP turns them into the bank's [E, 2I, D] / [E, D, I] at load. (The released checkpoints
-keep the experts in MXFP4 `_blocks`/`_scales`, which the loader refuses until the quantized
-formats land.)
+KEY_MAP turns them into the bank's [E, 2I, D] / [E, D, I] at load. The released checkpoints
+keep the experts in MXFP4 (`_blocks` [E, R, K/32, 16] / `_scales`, rows interleaved the same
+way): freetoken.models.quant keeps them so, de-interleaved into the bank's w13.
 """
 
 from __future__ import annotations

@@ -7,11 +7,15 @@ model larger than memory fails at once with a clear error rather than by thrashi
 Models are built on the meta device first (init_model) so the engine can decide where the
 experts go before anything is allocated; materialize() then puts expert banks it is handed
 in host memory (the MoE expert store) and everything else on the device.
+A quantized checkpoint (freetoken.models.quant) gets its quantized modules swapped in at
+init_model, and each of its tensors is converted to the canonical form as it is read.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -24,12 +28,16 @@ from torch import nn
 from freetoken.models.config import ModelConfig, read_config_json
 from freetoken.models.key_map import DEFAULT_KEY_MAP, KeyMap
 from freetoken.models.layers import ExpertBank, MoeForCausalLM
+from freetoken.models.quant.apply import QuantLoadError, plan_quant
+from freetoken.models.quant.scheme import QuantConfigError, read_quant_scheme
 from freetoken.models.registry import family_for
 from freetoken.utils.memory import host_available_bytes
 
+log = logging.getLogger("freetoken.models")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # model.layers.{i}.{mlp|block_sparse_moe}.experts.{e}.{proj}.{weight|bias}
-_EXPERT_KEY = re.compile(r"^(?P<bank>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|bias)$")
+# (quantized experts' canonical tensors: ...{proj}.{q|s|z|g})
+_EXPERT_KEY = re.compile(r"^(?P<bank>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|bias|q|s|z|g)$")
 
 
 class CheckpointError(RuntimeError):
@@ -117,7 +125,15 @@ def init_model(model_dir: Path, dtype) -> tuple[MoeForCausalLM, ModelConfig]:
         model = family.MODEL_CLASS(cfg)
     key_map = getattr(family, "KEY_MAP", DEFAULT_KEY_MAP)     # a KeyMap, or cfg -> KeyMap
     model.key_map = key_map if isinstance(key_map, KeyMap) else key_map(cfg)
-    return model.to(dtype), cfg
+    model = model.to(dtype)
+    model.quant = None
+    try:
+        scheme = read_quant_scheme(raw, model_dir)
+        if scheme is not None:       # after the cast: quantized tensors keep their dtypes
+            model.quant = plan_quant(model, scheme, model.key_map, checkpoint_files(model_dir), dtype)
+    except (QuantConfigError, QuantLoadError) as e:
+        raise CheckpointError(str(e)) from None
+    return model, cfg
 
 
 def materialize(model: MoeForCausalLM, device: torch.device,
@@ -141,7 +157,7 @@ def materialize(model: MoeForCausalLM, device: torch.device,
         for module in model.modules():
             if module in host_banks:
                 for name, tensor in host_banks[module].items():
-                    setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+                    setattr(module, ExpertBank.attr(name), nn.Parameter(tensor, requires_grad=False))
             else:
                 module.to_empty(device=device, recurse=False)
     if model.config.tie_word_embeddings:   # to_empty allocates each module's tensors apart
@@ -155,6 +171,7 @@ def load_weights(model: MoeForCausalLM, files: list[Path],
     params = dict(model.named_parameters(remove_duplicate=False))
     banks = {name: mod for name, mod in model.named_modules() if isinstance(mod, ExpertBank)}
     key_map = getattr(model, "key_map", DEFAULT_KEY_MAP)
+    quant = getattr(model, "quant", None)
     expected = {n for n in params if not (model.config.tie_word_embeddings and n == "lm_head.weight")}
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -166,14 +183,20 @@ def load_weights(model: MoeForCausalLM, files: list[Path],
                 for source in f.keys():
                     if key_map.skipped(source):
                         continue
-                    names = _load_one(source, key_map.rename(source), f, params, banks,
-                                      key_map, model.config)
-                    if names is None:
-                        unexpected.append(source)
-                    else:
-                        loaded.update(names)
+                    key, get = key_map.rename(source), functools.partial(f.get_tensor, source)
+                    parts = quant.convert(key, get) if quant is not None else None
+                    if parts is None:
+                        parts = [(key, get)]
+                    for key, tensor in parts:
+                        names = _load_one(source, key, tensor, params, banks, key_map, model.config)
+                        if names is None:
+                            unexpected.append(source)
+                        else:
+                            loaded.update(names)
         except CheckpointError:
             raise
+        except QuantLoadError as e:
+            raise CheckpointError(str(e)) from None
         except Exception as e:  # safetensors raises its own error type for corrupt files
             raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e} "
                                   f"(corrupt or truncated safetensors file?)") from e
@@ -186,29 +209,37 @@ def load_weights(model: MoeForCausalLM, files: list[Path],
     missing = _missing(expected, loaded, banks)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+    rescaled = sum(bank.finish_load() for bank in banks.values())
+    if rescaled:
+        log.warning("NVFP4: %d expert halves had a gate/up global scale unlike their pair's and "
+                    "were rescaled into one (rounded to e4m3)", rescaled)
 
 
-def _load_one(source, key, f, params, banks, key_map: KeyMap, cfg) -> list[str] | None:
-    """Load checkpoint tensor `source` (renamed to `key`); the names it set, None if unused."""
+def _load_one(source, key, tensor, params, banks, key_map: KeyMap, cfg) -> list[str] | None:
+    """Load checkpoint tensor `source` (renamed to `key`; `tensor` is it, or a callable that
+    reads it); the names it set, None if unused."""
+    get = tensor if callable(tensor) else (lambda: tensor)
     if key == "lm_head.weight" and cfg.tie_word_embeddings:
         return ["lm_head.weight"]
     m = _EXPERT_KEY.match(key)
     if m and m["bank"] in banks and m["proj"] in ExpertBank.PROJ:
         bank = banks[m["bank"]]
         try:
-            part = bank.load_expert(int(m["e"]), m["proj"], f.get_tensor(source), m["kind"])
+            part = bank.load_expert(int(m["e"]), m["proj"], get(), m["kind"])
         except ValueError as e:
             raise CheckpointError(f"tensor {source}: {e}") from None
         return [f"{m['bank']}.{part}"]
     head, _, leaf = key.rpartition(".")
     if head in banks:
-        parts = key_map.fused_experts(leaf, f.get_tensor(source))
+        if key in params:               # already the bank's layout (quantized gpt-oss experts)
+            return [_copy(key, source, get(), params)]
+        parts = key_map.fused_experts(leaf, get())
         if parts is None:
             return None
         return [_copy(f"{head}.{name}", source, tensor, params) for name, tensor in parts.items()]
     if key not in params:
         return None
-    return [_copy(key, source, f.get_tensor(source), params)]
+    return [_copy(key, source, get(), params)]
 
 
 def _copy(name: str, source: str, tensor: torch.Tensor, params) -> str:
@@ -233,7 +264,7 @@ def _missing(expected: set[str], loaded: set[str], banks: dict) -> set[str]:
         bank_name, _, leaf = name.rpartition(".")
         if bank_name in banks and name not in loaded:
             bank = banks[bank_name]
-            parts = [".gate", ".up"] if leaf in ("w13", "b13") else [""]
+            parts = [".gate", ".up"] if leaf.split("_")[0] in ("w13", "b13") else [""]
             for e in range(bank.num_experts):
                 if not all(f"{bank_name}.{leaf}[{e}]{p}" in loaded for p in parts):
                     missing.add(f"{bank_name}.{e} ({leaf})")

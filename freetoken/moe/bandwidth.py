@@ -92,8 +92,9 @@ class ExpertBench:
                  top_k: int, cpu_threads: int | None, force_staging: bool = False):
         """pool: device slots {name: [S, *shape]} (S >= top_k; slots 0..top_k-1 are used)."""
         self.store, self.layer, self.cpu_threads = store, layer, cpu_threads
-        self.device = pool["w13"].device
-        self.top_k = min(top_k, pool["w13"].shape[0], store.num_experts)
+        first = next(iter(pool.values()))           # w13, or a quantized layout's w13.q
+        self.device = first.device
+        self.top_k = min(top_k, first.shape[0], store.num_experts)
         self.fetcher = ExpertFetcher(store, pool, force_staging)
         self._turn = 0
         self.x = torch.randn(1, store.hidden).to(store.dtype)

@@ -34,7 +34,7 @@ class ExpertFetcher:
         """pool: the device slot pool {name: [S, *shape]}; force_staging: route every layer
         through the ring (tests run it on the CPU)."""
         self.store, self.pool = store, pool
-        self.device = pool["w13"].device
+        self.device = next(iter(pool.values())).device
         self.is_cuda = self.device.type == "cuda"
         self.force_staging = force_staging
         self.stream = torch.cuda.Stream(self.device) if self.is_cuda else None

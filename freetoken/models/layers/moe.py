@@ -2,7 +2,8 @@
 
 ExpertBank holds all of a layer's experts as the stacked tensors its ExpertLayout names (the
 layout the MoE kernel reads: w13 [E, 2I, D] gate rows then up rows, w2 [E, D, I], biases);
-checkpoint keys, per expert or fused, load into slices of them. When the engine keeps
+checkpoint keys, per expert or fused, load into slices of them (a quantized layout's tensors,
+"w13.q", "w13.s", ..., are parameters named w13_q, w13_s, ...). When the engine keeps
 experts off the device (freetoken.moe), the bank's tensors are the host expert store's and
 `runtime` (x, topk_weights, topk_ids) -> [T, D] runs the layer.
 """
@@ -15,6 +16,7 @@ from torch import nn
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.router import Router
 from freetoken.moe.layout import ExpertLayout
+from freetoken.moe.quant_layout import QuantExpertLayout
 
 
 class ExpertBank(nn.Module):
@@ -30,16 +32,33 @@ class ExpertBank(nn.Module):
         for part in layout.tensors:
             self.register_parameter(part.name, nn.Parameter(torch.empty(num_experts, *part.shape)))
         self.runtime = None
+        self._pending_g: dict[tuple[int, int], float] = {}
+
+    @staticmethod
+    def attr(name: str) -> str:
+        """The parameter holding bank tensor `name` ("w13.q" -> w13_q)."""
+        return name.replace(".", "_")
+
+    def set_layout(self, layout: QuantExpertLayout) -> None:
+        """Swap the (meta-built) float tensors for a quantized layout's, in their own dtypes."""
+        for name in self._layout.names:
+            delattr(self, self.attr(name))
+        for part in layout.tensors:
+            self.register_parameter(self.attr(part.name), nn.Parameter(
+                torch.empty(self.num_experts, *part.shape, dtype=part.dtype, device="meta"),
+                requires_grad=False))
+        self._layout, self.width = layout, layout.width
 
     @property
     def layout(self) -> ExpertLayout:
-        """The layout in the dtype the model was cast to (built with a placeholder dtype)."""
-        if self._layout.dtype != self.w13.dtype:
+        """The layout in the dtype the model was cast to (built with a placeholder dtype; a
+        quantized layout is built after the cast, in the compute dtype)."""
+        if not isinstance(self._layout, QuantExpertLayout) and self._layout.dtype != self.w13.dtype:
             self._layout = self._layout.with_dtype(self.w13.dtype)
         return self._layout
 
     def bank(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in self._layout.names}
+        return {name: getattr(self, self.attr(name)) for name in self._layout.names}
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, kind: str = "weight") -> str:
         """Copy one checkpoint tensor (`kind` weight or bias) of one expert in; returns the
@@ -47,18 +66,47 @@ class ExpertBank(nn.Module):
         bank, half = self.PROJ[proj]
         if kind == "bias":
             bank = {"w13": "b13", "w2": "b2"}[bank]
-        if not hasattr(self, bank):
+        elif kind != "weight":                  # a quantized layout's q, s, z or g
+            bank = f"{bank}.{kind}"
+        if not hasattr(self, self.attr(bank)):
             raise ValueError(f"expert {expert} {proj}.{kind}: this layer's experts have no {bank}")
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert index {expert} out of range 0..{self.num_experts - 1}")
-        dst = getattr(self, bank).data[expert]
+        dst = getattr(self, self.attr(bank)).data[expert]
+        name = f"{self.attr(bank)}[{expert}]{'' if half is None else ('.gate', '.up')[half]}"
+        if isinstance(self._layout, QuantExpertLayout):
+            if bank == "w13.g":                 # one global scale per half: see finish_load
+                self._pending_g[(expert, half)] = float(tensor.reshape(-1)[0])
+            else:
+                self._layout.load_part(bank, dst, half, tensor)
+            return name
         if half is not None:
             dst = dst[half * self.width:(half + 1) * self.width]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ValueError(f"expert {expert} {proj}.{kind}: checkpoint shape "
                              f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
-        return f"{bank}[{expert}]{'' if half is None else ('.gate', '.up')[half]}"
+        return name
+
+    def finish_load(self) -> int:
+        """NVFP4: w13 holds one global scale per expert, the checkpoint one for gate and one for
+        up. Equal ones (ModelOpt shares them) are taken as they are; otherwise the larger is
+        kept and the other half's block scales are rescaled into it (rounded to e4m3, so not
+        exact). Returns how many experts were rescaled."""
+        if not self._pending_g:
+            return 0
+        g, s, i = self.w13_g.data, self.w13_s.data, self.width
+        rescaled = 0
+        for e in range(self.num_experts):
+            halves = (self._pending_g[(e, 0)], self._pending_g[(e, 1)])
+            g[e] = top = max(halves)
+            for h, gh in enumerate(halves):
+                if gh != top:
+                    part = s[e, h * i:(h + 1) * i]
+                    part.copy_((part.float() * (gh / top)).to(part.dtype))
+                    rescaled += 1
+        self._pending_g = {}
+        return rescaled
 
     def forward(self, x, topk_weights, topk_ids):
         if self.runtime is not None:

@@ -1,0 +1,134 @@
+"""QuantExpertLayout: experts kept in their checkpoint's quantized format, as data.
+
+The same object as ExpertLayout (the store, slot pool, fetcher, CPU experts and the plan's
+byte counts take it unchanged) with quantized bank tensors: for each of w13 [2I, D] and
+w2 [D, I] the canonical tensors of triton_kernels.dequant (per expert):
+    fp8_block    w13.q e4m3 [2I, D]    w13.s f32 [2I/bn, ceil(D/bk)]   (I padded, see below)
+    fp8_channel  w13.q e4m3 [2I, D]    w13.s f32 [2I]
+    mxfp4        w13.q u8 [2I, D/2]    w13.s u8 E8M0 [2I, D/32]
+    nvfp4        w13.q u8 [2I, D/2]    w13.s e4m3 [2I, D/16]   w13.g f32 [1]
+    int4         w13.q u8 [2I, D/2]    w13.s [2I, D/G]         (w13.z u8 [2I, D/G] asymmetric)
+and likewise w2.*, plus b13 [2I], b2 [D] in the compute dtype. `expert_bytes` are these true
+bytes, so cache sizing, counters and the PCIe bound are in quantized bytes.
+
+FP8 block scales cover bn rows; when I % bn != 0 the gate and up halves of w13 are each padded
+with zero rows to `width` (a multiple of bn, and of bk for w2's columns), which is exact:
+silu(0) * 0 = 0 and the padded w2 columns are zero. Per-tensor FP8 experts are kept as
+fp8_channel (gate and up have a scale each; per-row scales hold both exactly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+import triton_kernels as tk
+from freetoken.moe.layout import ExpertLayout, ExpertTensor
+from triton_kernels.dequant import QuantFormat
+
+
+def weight_tensors(fmt: QuantFormat, n: int, k: int, scale_dtype=torch.float32,
+                   prefix: str = "") -> list[ExpertTensor]:
+    """The canonical tensors of one quantized weight [N, K], named prefix + q/s/z/g."""
+    bn, bk = fmt.block
+    q = ExpertTensor(prefix + "q", (n, k // 2) if fmt.packed else (n, k),
+                     torch.uint8 if fmt.packed else torch.float8_e4m3fn)
+    s = {"fp8_block": ((math.ceil(n / bn), math.ceil(k / bk)), torch.float32),
+         "fp8_channel": ((n,), torch.float32), "fp8_tensor": ((1,), torch.float32),
+         "mxfp4": ((n, k // 32), torch.uint8), "nvfp4": ((n, k // 16), torch.float8_e4m3fn),
+         "int4": ((n, k // fmt.group), scale_dtype)}[fmt.kind]
+    parts = [q, ExpertTensor(prefix + "s", *s)]
+    if "z" in fmt.names():
+        parts.append(ExpertTensor(prefix + "z", s[0], torch.uint8))
+    if "g" in fmt.names():
+        parts.append(ExpertTensor(prefix + "g", (1,), torch.float32))
+    return parts
+
+
+def expert_format(fmt: QuantFormat) -> QuantFormat:
+    """The format experts are kept in: per-tensor FP8 becomes per-channel (see above)."""
+    return QuantFormat("fp8_channel") if fmt.kind == "fp8_tensor" else fmt
+
+
+def padded_width(fmt: QuantFormat, width: int) -> int:
+    if fmt.kind != "fp8_block":
+        return width
+    step = math.lcm(*fmt.block)
+    return -(-width // step) * step
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantExpertLayout(ExpertLayout):
+    fmt: QuantFormat = QuantFormat("fp8_channel")
+    scale_dtype: torch.dtype = torch.float32    # int4's s, as the checkpoint stores it
+    checkpoint_width: int = 0                   # I before fp8_block padding (0: = width)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.fmt.kind == "fp8_tensor":
+            raise ValueError("experts keep per-tensor FP8 as fp8_channel (expert_format)")
+        if self.checkpoint_width == 0:
+            object.__setattr__(self, "checkpoint_width", self.width)
+
+    @property
+    def tensors(self) -> tuple[ExpertTensor, ...]:
+        d, i, f = self.hidden, self.width, self.fmt
+        parts = [*weight_tensors(f, 2 * i, d, self.scale_dtype, "w13."),
+                 *weight_tensors(f, d, i, self.scale_dtype, "w2.")]
+        if self.bias:
+            parts += [ExpertTensor("b13", (2 * i,), self.dtype), ExpertTensor("b2", (d,), self.dtype)]
+        return tuple(parts)
+
+    def describe(self) -> str:
+        f = self.fmt
+        kind = (f"fp8_block {f.block[0]}x{f.block[1]}" if f.kind == "fp8_block" else
+                f"int4 g{f.group} {'symmetric' if f.symmetric else 'asymmetric'}" if f.kind == "int4"
+                else f.kind)
+        pad = "" if self.checkpoint_width == self.width else f", I {self.checkpoint_width} padded to {self.width}"
+        return f"{kind}{pad}, {self.expert_bytes} bytes per expert"
+
+    @staticmethod
+    def weights(bank: dict[str, torch.Tensor], which: str) -> dict[str, torch.Tensor]:
+        """{"q": .., "s": ..} of "w13" or "w2" out of a bank {"w13.q": .., ...}."""
+        return {name[len(which) + 1:]: t for name, t in bank.items() if name.startswith(which + ".")}
+
+    def run(self, x, bank, topk_weights, topk_ids, slot_map=None):
+        return tk.fused_moe_quant(x, self.fmt, self.weights(bank, "w13"), self.weights(bank, "w2"),
+                                  topk_weights, topk_ids, slot_map, **self.kernel_kwargs(bank))
+
+    def run_reference(self, x, bank, topk_weights, topk_ids, slot_map=None):
+        """One expert's tiles dequantized at a time, never the whole bank (the CPU experts)."""
+        return tk.fused_moe_quant_reference(
+            x, self.fmt, self.weights(bank, "w13"), self.weights(bank, "w2"), topk_weights,
+            topk_ids, slot_map, **self.kernel_kwargs(bank))
+
+    def checkpoint_shape(self, name: str, half) -> tuple[int, ...]:
+        """The shape the checkpoint stores part `name` of one expert in (one half of w13, or
+        w2 whole): the bank's, before fp8_block padding."""
+        d, ci, f = self.hidden, self.checkpoint_width, self.fmt
+        if name in ("b13", "b2"):
+            return (ci,) if name == "b13" else (d,)
+        which, leaf = name.split(".")
+        n, k = (ci, d) if which == "w13" else (d, ci)
+        return next(p.shape for p in weight_tensors(f, n, k, self.scale_dtype) if p.name == leaf)
+
+    def load_part(self, name: str, dst: torch.Tensor, half, t: torch.Tensor) -> None:
+        """Copy checkpoint tensor t (part `name` of one expert; one half of w13 when half is
+        0/1) into dst, the expert's slice of the bank tensor: rows of its half, padding
+        zeroed (scales of padded blocks set to 1), per-tensor FP8 scales spread over rows."""
+        if half is not None:
+            rows = dst.shape[0] // 2
+            dst = dst[half * rows:(half + 1) * rows]
+        want = self.checkpoint_shape(name, half)
+        if self.fmt.kind == "fp8_channel" and name.endswith(".s") and t.numel() == 1:
+            dst.fill_(float(t.reshape(-1)[0]))      # a per-tensor scale, over the rows
+            return
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name}{'' if half is None else ('.gate', '.up')[half]}: checkpoint "
+                             f"shape {tuple(t.shape)}, expected {want}")
+        if tuple(dst.shape) != want:                # fp8_block padding
+            dst.fill_(1 if name.endswith(".s") else 0)
+            dst = dst[tuple(slice(0, w) for w in want)]
+        dst.copy_(t)

@@ -1,0 +1,289 @@
+"""Quantized checkpoints (issue #19), kept quantized from disk to the kernel.
+
+Each format's tiny checkpoint is written in its real on-disk layout (freetoken.models.quant:
+tools/make_tiny_model.py --quant) with scales skewed between neighbouring blocks; the oracle
+is transformers in float32 on the same weights dequantized by our torch reference and written
+as a plain float checkpoint. On every MoE backend: max relative logit error < 1e-3, greedy
+tokens identical, and the bytes the cache fetched are the quantized bytes. Also: the on-disk
+packings against hand-built words, transformers' own MXFP4 dequantizer as a cross-check, and
+the refusals (unknown methods and schemes, scales of the wrong shape).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from freetoken import LLM, SamplingParams
+from freetoken.demo.tiny_model import make_tiny_model
+from freetoken.models.loader import CheckpointError
+from freetoken.models.quant.convert import SKIP, convert
+from freetoken.models.quant.dequantize import dequantize_checkpoint
+from freetoken.models.quant.encode import encode, pack_int32, quant_format, quantize_checkpoint
+from freetoken.models.quant.quantize import quantize_weight, skew_blocks
+from freetoken.models.quant.scheme import read_quant_scheme
+from triton_kernels.dequant import dequantize_reference
+
+BLOCK = (16, 32)                      # fp8 block: ragged against I = 24 and the 40-row weights
+PROMPT = [5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2]
+PARAMS = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+METHOD = {"fp8": "fp8", "fp8-tensor": "compressed-tensors", "fp8-channel": "compressed-tensors",
+          "nvfp4": "compressed-tensors", "nvfp4-modelopt": "modelopt", "int4": "compressed-tensors",
+          "int4-asym": "compressed-tensors", "int4-awq": "awq"}
+# (quant, family): every on-disk layout FreeToken reads, gpt-oss' MXFP4 on gpt_oss.
+CASES = [("fp8", "qwen3_moe"), ("fp8-tensor", "qwen3_moe"), ("nvfp4", "qwen3_moe"),
+         ("nvfp4-modelopt", "qwen3_moe"), ("int4", "qwen3_moe"), ("int4-awq", "qwen3_moe"),
+         ("mxfp4", "gpt_oss")]
+BACKENDS = [("offload-min", dict(moe_backend="offload", moe_cache_size="min")),
+            ("cpu", dict(moe_backend="cpu")),
+            ("hybrid-k1", dict(moe_backend="hybrid", moe_cache_size="min", moe_hybrid_k=1)),
+            ("hybrid-measured-k", dict(moe_backend="hybrid", moe_cache_size="min")),
+            ("offload-cpu-layers", dict(moe_backend="offload", moe_cache_size="min",
+                                        moe_cpu_layers=1))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_saved_profiles(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("ftcache")))
+        yield
+
+
+def tiny(out, family, quant, seed=0, **shape):
+    """A quantized tiny checkpoint: qwen3 with a dense layer between two MoE layers."""
+    kw = dict(hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,
+              moe_intermediate_size=24 if quant == "fp8" else 32, intermediate_size=96,
+              vocab_size=2048, max_position_embeddings=512)
+    if family == "qwen3_moe":
+        kw["mlp_only_layers"] = (1,)
+    kw.update(shape)
+    make_tiny_model(out, family=family, seed=seed, **kw)
+    quantize_checkpoint(out, quant, block=BLOCK, seed=seed)
+    return out
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def expected_expert_bytes(quant, d, i):
+    """One expert's bytes, counted from the format (not from the layout under test)."""
+    if quant == "fp8":
+        ip = 32                                     # I = 24 padded to lcm(16, 32)
+        bn, bk = BLOCK
+        scales = 2 * ip // bn * math.ceil(d / bk) + math.ceil(d / bn) * ip // bk
+        return 3 * ip * d + 4 * scales
+    n = 3 * i * d                                   # weights of w13 [2I, D] and w2 [D, I]
+    return {"fp8-tensor": n + 4 * (2 * i + d),      # kept per channel: a scale per row
+            "mxfp4": n // 2 + n // 32 + 4 * (2 * i + d),   # + float32 biases
+            "nvfp4": n // 2 + n // 16 + 2 * 4, "nvfp4-modelopt": n // 2 + n // 16 + 2 * 4,
+            "int4": n // 2 + 4 * n // 32, "int4-awq": n // 2 + 2 * n // 32 + n // 32}[quant]
+
+
+@pytest.mark.parametrize("quant,family", CASES, ids=[q for q, _ in CASES])
+def test_matches_dequantized_oracle_on_every_backend(tmp_path, quant, family):
+    from transformers import AutoModelForCausalLM
+    path = str(tiny(tmp_path / "q", family, quant))
+    oracle = dequantize_checkpoint(path, tmp_path / "deq")
+    hf = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        want_logits = hf(torch.tensor([PROMPT])).logits[0]
+    want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12,
+                       do_sample=False)[0, len(PROMPT):].tolist()
+
+    ref = LLM(path, skip_tokenizer_init=True, max_prefill_length=16)
+    model = ref.runner.model
+    blocks = model.moe_blocks()
+    bank = next(iter(blocks.values())).experts
+    assert {t.dtype for n, t in bank.bank().items() if n.endswith(".q")} <= {
+        torch.uint8, torch.float8_e4m3fn}
+    mc = ref.model_config
+    expert_bytes = expected_expert_bytes(quant, mc.hidden_size, mc.moe_intermediate_size)
+    assert bank.layout.expert_bytes == expert_bytes
+    parts = ref.runner.quant_report()["parts"]
+    assert parts["lm_head"] == "float32"
+    if family == "qwen3_moe":     # attention and the dense MLP quantized too
+        assert parts["model.layers.*.self_attn.q_proj"] != "float32"
+        assert parts["model.layers.*.mlp.down_proj"] != "float32"
+        assert type(model.model.layers[1].mlp.down_proj).__name__ == "QuantLinear"
+
+    runs = [("resident", ref)] + [
+        (name, LLM(path, skip_tokenizer_init=True, max_prefill_length=16,
+                   **{k: mc.num_experts if v == "min" else v for k, v in kw.items()}))
+        for name, kw in BACKENDS]
+    for name, llm in runs:
+        err = rel_err(llm.logits(PROMPT), want_logits)
+        assert err < 1e-3, f"{quant} {name}: relative logit error {err:.2e}"
+        assert llm.generate([PROMPT], PARAMS)[0].token_ids == want, f"{quant} {name}"
+        counters = llm.runner.moe_report()["counters"]
+        if name.startswith("offload"):
+            assert counters["experts_fetched"] > 0
+        if name == "offload-min":           # one layer's worth of slots for two layers
+            assert counters["evictions"] > 0
+        if name in ("cpu", "hybrid-k1", "offload-cpu-layers"):
+            assert counters["cpu_experts"] > 0
+        if counters is not None:
+            assert counters["bytes_fetched"] == counters["experts_fetched"] * expert_bytes
+
+
+def test_transformers_mxfp4_dequantizer_agrees_with_the_reference(tmp_path):
+    """transformers' Mxfp4Config(dequantize=True) reads gpt-oss' blocks as the format says: a
+    cross-check of our reference and of the oracle built from it."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+    path = tiny(tmp_path / "q", "gpt_oss", "mxfp4", seed=3, num_layers=2)
+    oracle = dequantize_checkpoint(path, tmp_path / "deq")
+    theirs = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32,
+        attn_implementation="eager").eval()
+    ours = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+    with torch.no_grad():
+        a, b = theirs(torch.tensor([PROMPT])).logits, ours(torch.tensor([PROMPT])).logits
+    assert rel_err(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("quant", list(METHOD))
+def test_on_disk_layouts_round_trip(quant):
+    """quantize -> the method's tensors -> convert back: the canonical tensors exactly, and the
+    weight they decode to close to the (skewed) float one; scales really vary by block."""
+    fmt = quant_format(quant, BLOCK, 32)
+    g = torch.Generator().manual_seed(7)
+    w = skew_blocks(torch.randn(40, 64, generator=g), fmt, 2.0, g)
+    c = quantize_weight(fmt, w)
+    disk = encode(quant, fmt, c, w.shape)
+    back = {}
+    for suffix, t in disk.items():
+        r = convert(METHOD[quant], fmt, suffix, t)
+        assert r is not None, suffix
+        if r != SKIP:
+            back[r[0]] = r[1]
+    assert sorted(back) == sorted(c)
+    for name in c:
+        if name == "g":              # compressed-tensors stores 1/g
+            torch.testing.assert_close(back[name], c[name], rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(back[name].view(torch.uint8) if back[name].dtype.itemsize == 1
+                               else back[name], c[name].view(torch.uint8)
+                               if c[name].dtype.itemsize == 1 else c[name]), name
+    deq = dequantize_reference(fmt, back)
+    tol = {"fp8": 0.04, "fp8-tensor": 0.04, "fp8-channel": 0.04}.get(quant, 0.2)
+    assert ((deq - w).norm() / w.norm()).item() < tol
+    if quant not in ("fp8-tensor", "fp8-channel"):
+        s = c["s"].float() if c["s"].dtype != torch.uint8 else torch.exp2(c["s"].float() - 127)
+        assert (s.max() / s.min()).item() > 4
+
+
+def test_packings_against_hand_built_words():
+    """compressed-tensors: value of column 8w+i in bits 4i of word w; AWQ: nibble i holds
+    column AWQ_ORDER[i] = 0, 2, 4, 6, 1, 3, 5, 7; both back to canonical nibble pairs."""
+    cols = torch.arange(8, dtype=torch.uint8)[None]             # [1, 8] values 0..7
+    assert pack_int32(cols).item() == 0x76543210
+    fmt = quant_format("int4-awq", group=32)
+    # W [N=8, K=32]: every element 0 but output row 3, all 7.
+    c = {"q": torch.zeros(8, 16, dtype=torch.uint8), "s": torch.ones(8, 1, dtype=torch.float16),
+         "z": torch.zeros(8, 1, dtype=torch.uint8)}
+    c["q"][3] = 0x77
+    disk = encode("int4-awq", fmt, c, (8, 32))
+    # qweight [K=32, N/8=1]: column 3 (output 3) sits in nibble AWQ_ORDER.index(3) = 5.
+    word = disk["qweight"][0, 0].item() & 0xFFFFFFFF
+    assert (word >> 20) & 0xF == 7 and all((word >> 4 * i) & 0xF == 0 for i in range(8) if i != 5)
+    assert torch.equal(convert("awq", fmt, "qweight", disk["qweight"])[1], c["q"])
+    packed = torch.tensor([[0x76543210]], dtype=torch.int32)
+    q = convert("compressed-tensors", quant_format("int4", group=32), "weight_packed", packed)[1]
+    assert q.tolist() == [[0x10, 0x32, 0x54, 0x76]]
+
+
+def _config(path):
+    return json.loads((path / "config.json").read_text())
+
+
+def test_unknown_methods_and_schemes_are_refused_naming_the_supported(tmp_path):
+    path = tmp_path / "q"
+    make_tiny_model(path, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                    moe_intermediate_size=32, vocab_size=2048)
+    cfg = _config(path)
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="'bitsandbytes' is not supported; FreeToken loads "
+                                              "fp8, compressed-tensors, modelopt, awq, mxfp4"):
+        LLM(str(path), skip_tokenizer_init=True)
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                                      "num_bits": 8, "type": "int", "strategy": "channel"}}}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="is not supported; FreeToken loads float 8-bit"):
+        LLM(str(path), skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="needs weight_block_size"):
+        read_quant_scheme({"quantization_config": {"quant_method": "fp8"}}, None)
+
+
+@pytest.mark.parametrize("key,want", [
+    ("model.layers.0.self_attn.q_proj.weight_scale_inv", r"\(4, 2\)"),
+    ("model.layers.0.mlp.experts.3.up_proj.weight_scale_inv", r"\(2, 2\)")])
+def test_a_scale_of_the_wrong_shape_names_the_tensor_and_both_shapes(tmp_path, key, want):
+    path = tiny(tmp_path / "q", "qwen3_moe", "fp8", num_layers=1, mlp_only_layers=())
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    tensors[key] = torch.ones(3, 5)
+    save_file(tensors, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{key}.*\(3, 5\).*{want}"):
+        LLM(str(path), skip_tokenizer_init=True)
+
+
+def _tool():
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_model_tool", Path(__file__).resolve().parents[1] / "tools" / "make_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_make_tiny_model_writes_a_sharded_quantized_checkpoint_that_serves(tmp_path, capsys):
+    tool = _tool()
+    out = tmp_path / "tiny"
+    assert tool.main(["--out", str(out), "--quant", "int4-asym", "--num-layers", "2",
+                      "--hidden-size", "64", "--max-shard-mb", "0.3"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and "model.layers.0.self_attn.q_proj.weight_zero_point" in index
+    assert "model.layers.0.self_attn.q_proj.weight" not in index
+    llm = LLM(str(out), skip_tokenizer_init=True, moe_backend="cpu")
+    assert llm.runner.quant_report()["method"] == "compressed-tensors/pack-quantized (int4 g32 asymmetric)"
+    assert len(llm.generate([PROMPT], PARAMS)[0].token_ids) == 12
+    assert tool.main(["--out", str(tmp_path / "x"), "--quant", "mxfp4"]) == 2
+    assert "mxfp4 is gpt-oss' layout" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_nvfp4_gate_and_up_with_different_global_scales(tmp_path, caplog):
+    """w13 has one global scale per expert: a checkpoint whose gate and up differ keeps the
+    larger and rescales the other half's block scales (by 1/2 here: exact in e4m3)."""
+    from transformers import AutoModelForCausalLM
+    path = tiny(tmp_path / "q", "qwen3_moe", "nvfp4", num_layers=1, mlp_only_layers=())
+    f = path / "model.safetensors"
+    tensors = load_file(f)
+    key = "model.layers.0.mlp.experts.5.up_proj.weight_global_scale"
+    tensors[key] = tensors[key] * 2                 # the divisor: up's multiplier halves
+    save_file(tensors, f, metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(dequantize_checkpoint(path, tmp_path / "deq"),
+                                              dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0]
+    with caplog.at_level("WARNING", logger="freetoken.models"):
+        llm = LLM(str(path), skip_tokenizer_init=True)
+    assert "1 expert halves had a gate/up global scale unlike" in caplog.text
+    bank = llm.runner.model.moe_blocks()[0].experts
+    gate_g = 1.0 / tensors["model.layers.0.mlp.experts.5.gate_proj.weight_global_scale"]
+    assert bank.w13_g[5].item() == pytest.approx(gate_g.item(), rel=1e-6)
+    assert rel_err(llm.logits(PROMPT), want) < 1e-3
