@@ -130,9 +130,9 @@ def _check_delta(lens, has, hk, hv, dk, dv, dtype, chunked=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_mixed_prefill_and_decode(dtype):
-    # prompts off the chunk (70: a boundary inside, 5: one short chunk, 128: two full), decodes
-    # among them, Hv = 2 Hk, Dk != Dv (not a power of two either), slots out of order
-    _check_delta([1, 70, 5, 1, 128, 0], [True, False, True, True, False, True], 2, 4, 24, 32,
+    # prompts off the chunk (70: a boundary inside, 5: one short chunk, 64: one full), decodes
+    # and an empty segment among them, Hv = 2 Hk, Dk not a power of two, slots out of order
+    _check_delta([1, 70, 5, 1, 64, 0], [True, False, True, True, False, True], 2, 4, 24, 16,
                  dtype)
 
 

@@ -47,10 +47,10 @@ def _recurrent_steps(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool)
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         k_t = k[:, t]                                                     # [B, Hv, Dk]
-        pred = torch.einsum("bhk,bhkv->bhv", k_t, state)                  # k S
+        pred = (state * k_t[..., None]).sum(-2)                           # k S [B, Hv, Dv]
         delta = beta[:, t, :, None] * (v[:, t] - pred)                    # [B, Hv, Dv]
         state = state + k_t[..., :, None] * delta[..., None, :]
-        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
+        out[:, t] = (state * q[:, t, ..., None]).sum(-2)
     return out, state
 
 
@@ -218,24 +218,31 @@ def _gated_delta_chunk_kernel(
         beta = tl.load(beta_ptr + rows64 * stride_bt + h, mask=mask_t, other=0.0).to(tl.float32)
         if L2NORM:
             q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+            inv_k = tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)                              # [C]
+            k = k * inv_k[:, None]
         q = q * scale
         gc = tl.cumsum(g, axis=0)                                                       # [C]
         gc_last = tl.sum(g, axis=0)
         # e^(gc_i - gc_j) where j <= i, 0 above the diagonal (masked before exp: no inf)
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-        kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)                       # [C, C]
+        # q's products first, so its [C, Dk] tile is dead during the solve (registers)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay               # [C, C]
+        o = tl.exp(gc)[:, None] * tl.dot(q, state, input_precision=DOT_PRECISION)         # [C, BV]
+        kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
         lmat = tl.where(lower, kk * decay * beta[:, None], 0.0)
         ks0 = tl.dot(k, state, input_precision=DOT_PRECISION)                            # [C, BV]
         r = beta[:, None] * (v - tl.exp(gc)[:, None] * ks0)
         u = _solve_unit_lower(lmat, r, offs_c, C, SUB, BV, INV_PRECISION)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
-        o = (tl.exp(gc)[:, None] * tl.dot(q, state, input_precision=DOT_PRECISION)
-             + tl.dot(qk, u, input_precision=DOT_PRECISION))
+        o += tl.dot(qk, u, input_precision=DOT_PRECISION)
         tl.store(o_ptr + rows64[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
-        k_tail = k * tl.exp(gc_last - gc)[:, None]
-        state = state * tl.exp(gc_last) + tl.dot(tl.trans(k_tail), u,
+        # k again from memory (L2) rather than kept live across the solve
+        k = tl.load(k_ptr + rows64[:, None] * stride_kt + kh * stride_kh + offs_k[None, :],
+                    mask=mask_tk, other=0.0).to(tl.float32)
+        tail = tl.exp(gc_last - gc)
+        if L2NORM:
+            tail = tail * inv_k
+        state = state * tl.exp(gc_last) + tl.dot(tl.trans(k * tail[:, None]), u,
                                                  input_precision=DOT_PRECISION)
     tl.store(s_ptrs, state, mask=mask_s)
 
@@ -248,7 +255,8 @@ def _gated_delta_config(dk_pad: int, dv: int, chunked: bool) -> dict:
     if interpreting():
         return dict(BV=16, num_warps=4, num_stages=1)
     if chunked:
-        return dict(BV=min(32, max(16, triton.next_power_of_2(dv))), num_warps=4, num_stages=1)
+        # 8 warps: the chunk's fp32 tiles ([C, Dk] keys, [C, C] systems) want the registers
+        return dict(BV=min(32, max(16, triton.next_power_of_2(dv))), num_warps=8, num_stages=1)
     return dict(BV=min(32, max(16, triton.next_power_of_2(dv))), num_warps=4 if dk_pad <= 128
                 else 8, num_stages=1)
 
