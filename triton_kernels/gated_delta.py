@@ -265,7 +265,13 @@ def gated_delta_rule_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlen
                             has_initial_state, scale: float, use_qk_l2norm: bool = True,
                             *, chunked: bool | None = None):
     """The recurrent kernel when every sequence brings one token (T == N: a decode batch, no
-    device sync to find out), the chunked kernel otherwise; `chunked` forces one (tests)."""
+    device sync to find out), the chunked kernel otherwise; `chunked` forces one (tests).
+
+    Nothing is autotuned, and no request-dependent integer reaches a kernel (lengths come
+    from cu_seqlens on the device), so the compiled variants are keyed by: the form
+    (recurrent / chunked), use_qk_l2norm, the q/k/v dtype, and the layer's heads and dims
+    (with its strides). A warmup that runs one decode batch and one prefill batch per
+    linear-attention layer shape covers every request."""
     _check_args(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_initial_state)
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -327,6 +333,10 @@ def _check_args(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_initi
         if x.dtype not in (torch.int32, torch.int64) or not x.is_contiguous():
             raise ValueError(f"gated_delta_rule: {name} must be contiguous int32/int64, got "
                              f"{x.dtype}")
+    others = (k, v, g, beta, state_pool, state_slots, cu_seqlens, has_initial_state)
+    if any(x.device != q.device for x in others):
+        raise ValueError(f"gated_delta_rule: every tensor must be on {q.device}, got "
+                         f"{[str(x.device) for x in others]}")
     if has_initial_state.dtype != torch.bool or not has_initial_state.is_contiguous():
         raise ValueError(f"gated_delta_rule: has_initial_state must be a contiguous bool tensor, "
                          f"got {has_initial_state.dtype}")
