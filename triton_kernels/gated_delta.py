@@ -208,42 +208,41 @@ def _gated_delta_chunk_kernel(
         mask_t = rows < end
         rows64 = rows.to(tl.int64)
         mask_tk = mask_t[:, None] & mask_k[None, :]
-        q = tl.load(q_ptr + rows64[:, None] * stride_qt + kh * stride_qh + offs_k[None, :],
-                    mask=mask_tk, other=0.0).to(tl.float32)                          # [C, BK]
-        k = tl.load(k_ptr + rows64[:, None] * stride_kt + kh * stride_kh + offs_k[None, :],
-                    mask=mask_tk, other=0.0).to(tl.float32)
+        q_rows = q_ptr + rows64[:, None] * stride_qt + kh * stride_qh + offs_k[None, :]
+        k_rows = k_ptr + rows64[:, None] * stride_kt + kh * stride_kh + offs_k[None, :]
+        q = tl.load(q_rows, mask=mask_tk, other=0.0).to(tl.float32)                  # [C, BK]
+        k = tl.load(k_rows, mask=mask_tk, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + rows64[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
                     mask=mask_t[:, None] & mask_v[None, :], other=0.0).to(tl.float32)  # [C, BV]
         g = tl.load(g_ptr + rows64 * stride_gt + h, mask=mask_t, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + rows64 * stride_bt + h, mask=mask_t, other=0.0).to(tl.float32)
+        # per-row factors: q's l2norm and the scale, k's l2norm (the tiles are loaded again
+        # after the solve and scaled by these, rather than kept live across it: registers)
+        q_f = tl.full((C,), 1.0, tl.float32) * scale
+        k_f = tl.full((C,), 1.0, tl.float32)
         if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-            inv_k = tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)                              # [C]
-            k = k * inv_k[:, None]
-        q = q * scale
+            q_f = q_f * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)
+            k_f = tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)
         gc = tl.cumsum(g, axis=0)                                                       # [C]
         gc_last = tl.sum(g, axis=0)
-        # e^(gc_i - gc_j) where j <= i, 0 above the diagonal (masked before exp: no inf)
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-        # q's products first, so its [C, Dk] tile is dead during the solve (registers)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay               # [C, C]
-        o = tl.exp(gc)[:, None] * tl.dot(q, state, input_precision=DOT_PRECISION)         # [C, BV]
-        kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
-        lmat = tl.where(lower, kk * decay * beta[:, None], 0.0)
+        k = k * k_f[:, None]
+        o = (tl.exp(gc) * q_f)[:, None] * tl.dot(q, state, input_precision=DOT_PRECISION)
+        # e^(gc_i - gc_j) where j < i, 0 elsewhere (masked before exp: no inf)
+        decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+        kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)                       # [C, C]
+        lmat = kk * decay * beta[:, None]
         ks0 = tl.dot(k, state, input_precision=DOT_PRECISION)                            # [C, BV]
         r = beta[:, None] * (v - tl.exp(gc)[:, None] * ks0)
         u = _solve_unit_lower(lmat, r, offs_c, C, SUB, BV, INV_PRECISION)
+        q = tl.load(q_rows, mask=mask_tk, other=0.0).to(tl.float32) * q_f[:, None]
+        k = tl.load(k_rows, mask=mask_tk, other=0.0).to(tl.float32) * k_f[:, None]
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
         o += tl.dot(qk, u, input_precision=DOT_PRECISION)
         tl.store(o_ptr + rows64[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
-        # k again from memory (L2) rather than kept live across the solve
-        k = tl.load(k_ptr + rows64[:, None] * stride_kt + kh * stride_kh + offs_k[None, :],
-                    mask=mask_tk, other=0.0).to(tl.float32)
-        tail = tl.exp(gc_last - gc)
-        if L2NORM:
-            tail = tail * inv_k
-        state = state * tl.exp(gc_last) + tl.dot(tl.trans(k * tail[:, None]), u,
-                                                 input_precision=DOT_PRECISION)
+        k = k * tl.exp(gc_last - gc)[:, None]
+        state = state * tl.exp(gc_last) + tl.dot(tl.trans(k), u, input_precision=DOT_PRECISION)
     tl.store(s_ptrs, state, mask=mask_s)
 
 
