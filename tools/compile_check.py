@@ -199,8 +199,8 @@ def routing_forms():
 
 
 def gated_delta_forms(p: str):
-    """Both gated_delta_rule kernels as the launcher configures them for 16-bit inputs (the
-    chunked one with and without the l2norm), and the two conv1d kernels."""
+    """Both gated_delta_rule kernels as the launcher configures them for 16-bit inputs, and
+    the two conv1d kernels."""
     gd = importlib.import_module("triton_kernels.gated_delta")
     cv = importlib.import_module("triton_kernels.causal_conv1d")
     gd.interpreting = cv.interpreting = lambda: False     # the GPU's tiles
@@ -219,11 +219,11 @@ def gated_delta_forms(p: str):
             yield (f"gated_delta recurrent {tag} BV{cfg['BV']}", gd._gated_delta_recurrent_kernel,
                    dict(args, **cfg, L2NORM=True), warps, stages)
             continue
-        for l2 in (True, False):
-            yield (f"gated_delta chunk{gd.CHUNK} {tag} BV{cfg['BV']} l2norm={l2}",
-                   gd._gated_delta_chunk_kernel,
-                   dict(args, **cfg, C=gd.CHUNK, SUB=gd._SUB, L2NORM=l2, DOT_PRECISION="tf32",
-                        INV_PRECISION="tf32x3"), warps, stages)
+        # Qwen3-Next's layers always l2norm q and k (the form without compiles the same dots)
+        yield (f"gated_delta chunk{gd.CHUNK} {tag} BV{cfg['BV']} l2norm=True",
+               gd._gated_delta_chunk_kernel,
+               dict(args, **cfg, C=gd.CHUNK, SUB=gd._SUB, L2NORM=True, DOT_PRECISION="tf32",
+                    INV_PRECISION="tf32x3"), warps, stages)
     cfg = cv._conv_config()
     for bias, silu in ((False, True), (True, False)):
         yield (f"causal_conv1d C{GDN_CONV} W{GDN_W} bias={bias} silu={silu}",

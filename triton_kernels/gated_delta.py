@@ -156,11 +156,11 @@ def _solve_unit_lower(lmat, r, offs_c, C: tl.constexpr, SUB: tl.constexpr, BV: t
     off = tl.where(same, 0.0, lmat)
     eye = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
     inv = eye
-    for j in tl.static_range(1, SUB):
+    for j in range(1, SUB):          # a loop, not unrolled: compile time
         step = eye - tl.dot(diag, inv, input_precision=PRECISION)
         inv = tl.where(((offs_c % SUB) == j)[:, None], step, inv)
     u = tl.zeros((C, BV), dtype=tl.float32)
-    for b in tl.static_range(C // SUB):
+    for b in range(C // SUB):
         in_b = (blk == b)[:, None]
         rest = tl.where(in_b, r - tl.dot(off, u, input_precision=PRECISION), 0.0)
         u = tl.where(in_b, tl.dot(inv, rest, input_precision=PRECISION), u)
