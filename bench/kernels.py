@@ -5,6 +5,9 @@
 Shapes: hidden 2048, 128 experts, top-8, expert width 768, 32 query / 4 kv heads of 128;
 mla_attention at DeepSeek-V3's 128 heads and GLM-4.7-Flash's 20 over a 576-wide latent (L 512,
 R 64), block size 16 as the engine's default.
+gated_delta_rule and causal_conv1d at Qwen3.6-35B-A3B's Gated DeltaNet layers (16 key / 32
+value heads of 128, conv kernel 4 over 8192 channels), the float32 state read and written once
+counted in their bytes.
 Each row reports the Triton time eagerly (what a Python loop of launches costs, launch
 overhead included) and replayed from a CUDA graph (the kernels' own time), the reference's
 eager time, the bytes the op must move (read + write) over the graph time as GB/s and as a
@@ -40,8 +43,11 @@ HIDDEN, EXPERTS, TOP_K, WIDTH = 2048, 128, 8, 768
 HEADS_Q, HEADS_KV, HEAD_DIM, BLOCK_SIZE = 32, 4, 128, 16
 MOE_DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)      # both fused_moe forms
 MOE_PREFILL_TOKENS = (512, 4096)                  # grouped only
+# Qwen3.6-35B-A3B's Gated DeltaNet layers (linear_num_key_heads, linear_num_value_heads,
+# linear_key/value_head_dim, linear_conv_kernel_dim).
+GDN_HK, GDN_HV, GDN_D, GDN_W = 16, 32, 128, 4
 OPS = ("rms_norm", "rope", "silu_and_mul", "topk_softmax", "write_kv", "paged_attention",
-       "fused_moe", "mla_attention", "fused_moe_quant")
+       "fused_moe", "mla_attention", "fused_moe_quant", "gated_delta_rule", "causal_conv1d")
 # MLA's absorbed attention over the latent: kv_lora_rank 512, qk_rope_head_dim 64 for both;
 # (label, query heads, softmax scale = (qk_nope + qk_rope) ** -0.5).
 MLA_L, MLA_R = 512, 64
@@ -346,13 +352,67 @@ def print_quant_ratios(rows: list, dense: dict, ceiling: float) -> None:
         vs = f"{seconds / base:.2f}x the dense time" if base else "(no fused_moe row at this T)"
         print(f"  {shape:<44} {gbs / 1e9:>6.0f} GB/s  {gbs / ceiling:>5.0%} here  "
               f"{gbs / 1e9 / H200_COPY_GBS:>5.0%} of GPU.md  {vs}")
+def _varlen(lens):
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    return (torch.arange(len(lens), dtype=torch.int32, device="cuda"), cu,
+            torch.ones(len(lens), dtype=torch.bool, device="cuda"))
+
+
+def gated_delta_rule_cases(dt):
+    from triton_kernels.gated_delta import gated_delta_rule_reference, gated_delta_rule_triton
+    scale = GDN_D ** -0.5
+    # (label, lengths): decode takes the recurrent kernel, prefill the chunked one (and the
+    # recurrent one too, as a variant, to show what chunking buys)
+    for label, lens in (("decode", [1]), ("decode", [1] * 32), ("prefill", [512]),
+                        ("prefill", [4096]), ("prefill", [512] * 8)):
+        t, n = sum(lens), len(lens)
+        q, k = (torch.randn(t, GDN_HK, GDN_D, dtype=dt, device="cuda") for _ in range(2))
+        v = torch.randn(t, GDN_HV, GDN_D, dtype=dt, device="cuda")
+        g = -torch.rand(t, GDN_HV, device="cuda") * 0.5
+        beta = torch.rand(t, GDN_HV, device="cuda").to(dt)
+        pool = torch.randn(n, GDN_HV, GDN_D, GDN_D, device="cuda") * 0.1
+        slots, cu, has = _varlen(lens)
+        args = (q, k, v, g, beta, pool, slots, cu, has, scale)
+        moved = (2 * pool.numel() * 4 + (q.numel() + k.numel() + 2 * v.numel()) * q.element_size()
+                 + t * GDN_HV * 4 * 2)
+        variants = ("recurrent",) if label == "decode" else ("chunked", "recurrent")
+        for variant in variants:
+            def check(args=args, chunked=variant == "chunked"):
+                start = args[5].clone()
+                ref_pool = start.clone()
+                out = gated_delta_rule_triton(*args[:5], start, *args[6:], chunked=chunked)
+                return out, gated_delta_rule_reference(*args[:5], ref_pool, *args[6:])
+            yield Case("gated_delta", f"{label} N={n} L={lens[0]}",
+                       lambda a=args, c=variant == "chunked": gated_delta_rule_triton(*a,
+                                                                                      chunked=c),
+                       ((lambda a=args: gated_delta_rule_reference(*a))
+                        if t <= 32 and variant == variants[0] else None),
+                       moved, variant=variant, check=check if t <= 512 else None)
+
+
+def causal_conv1d_cases(dt):
+    from triton_kernels.causal_conv1d import causal_conv1d_reference, causal_conv1d_triton
+    c = 2 * GDN_HK * GDN_D + GDN_HV * GDN_D
+    weight = torch.randn(c, GDN_W, dtype=dt, device="cuda") / 2
+    for label, lens in (("decode", [1]), ("decode", [1] * 32), ("prefill", [4096]),
+                        ("prefill", [512] * 8)):
+        t, n = sum(lens), len(lens)
+        x = torch.randn(t, c, dtype=dt, device="cuda")
+        pool = torch.randn(n, c, GDN_W - 1, dtype=dt, device="cuda")
+        slots, cu, has = _varlen(lens)
+        args = (x, weight, None, pool, slots, cu, has)
+        moved = (2 * x.numel() + 2 * pool.numel() + weight.numel()) * x.element_size()
+        yield Case("causal_conv1d", f"{label} N={n} L={lens[0]} C={c}",
+                   lambda a=args: causal_conv1d_triton(*a),
+                   (lambda a=args: causal_conv1d_reference(*a)) if t <= 512 else None, moved)
 
 
 CASES = {"rms_norm": rms_norm_cases, "rope": rope_cases, "silu_and_mul": silu_and_mul_cases,
          "topk_softmax": topk_softmax_cases, "write_kv": write_kv_cases,
          "paged_attention": paged_attention_cases, "fused_moe": fused_moe_cases,
          "mla_attention": mla_attention_cases,
-         "fused_moe_quant": fused_moe_quant_cases}
+         "fused_moe_quant": fused_moe_quant_cases,
+         "gated_delta_rule": gated_delta_rule_cases, "causal_conv1d": causal_conv1d_cases}
 
 
 # ---- report ---------------------------------------------------------------------------------

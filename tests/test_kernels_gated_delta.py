@@ -120,6 +120,7 @@ def test_pieces_carry_the_state(impl):
 def _check_delta(lens, has, hk, hv, dk, dv, dtype, chunked=None):
     q, k, v, g, beta, pool, slots, cu = _delta_batch(lens, hk, hv, dk, dv, dtype)
     has = torch.tensor(has)
+    pool[slots[~has].long()] = float("nan")       # rows without an initial state are ignored
     want_pool = pool.clone()
     want = gated_delta_rule_reference(q, k, v, g, beta, want_pool, slots, cu, has, dk ** -0.5)
     got = gated_delta_rule_triton(q, k, v, g, beta, pool, slots, cu, has, dk ** -0.5,
@@ -130,9 +131,9 @@ def _check_delta(lens, has, hk, hv, dk, dv, dtype, chunked=None):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_mixed_prefill_and_decode(dtype):
-    # prompts off the chunk (70: a boundary inside, 5: one short chunk, 128: two full), decodes
-    # among them, Hv = 2 Hk, Dk != Dv (not a power of two either), slots out of order
-    _check_delta([1, 70, 5, 1, 128, 0], [True, False, True, True, False, True], 2, 4, 24, 32,
+    # prompts off the chunk (70: a boundary inside, 5: one short chunk, 64: one full), decodes
+    # and an empty segment among them, Hv = 2 Hk, Dk not a power of two, slots out of order
+    _check_delta([1, 70, 5, 1, 64, 0], [True, False, True, True, False, True], 2, 4, 24, 16,
                  dtype)
 
 
@@ -203,6 +204,7 @@ def test_conv_triton_matches_reference(dtype, with_bias, activation):
     lens = [1, 2, 40, 0, 1, 3, 7]
     has = torch.tensor([True, True, False, True, False, True, True])
     x, weight, bias, pool, slots, cu = _conv_batch(lens, 72, 4, dtype, with_bias)
+    pool[slots[~has].long()] = float("nan")       # rows without an initial state are ignored
     want_pool = pool.clone()
     want = causal_conv1d_reference(x, weight, bias, want_pool, slots, cu, has, activation)
     got = causal_conv1d_triton(x, weight, bias, pool, slots, cu, has, activation)

@@ -12,8 +12,10 @@ config a launcher really uses: every autotune candidate of the fused MoE kernels
 config the GPU tests use, at Qwen3-30B-A3B's shapes and at gpt-oss-20b's (biases, swiglu_oai);
 attention at Qwen3's heads, gpt-oss's (window 128 and full, sinks) and DeepSeek-V3's prefill
 (Dk 192, Dv 128); MLA attention over the latent at DeepSeek-V3's heads (L 512, R 64);
-biased_topk at DeepSeek-V3's groups and plain 32/128/512-expert routers; the other kernels at
-Qwen3-30B-A3B's shapes. Exit status 1 when
+biased_topk at DeepSeek-V3's groups and plain 32/128/512-expert routers;
+Gated DeltaNet (recurrent and chunked, fp32 state pool) and its causal conv1d at
+Qwen3.6-35B-A3B's linear-attention heads; the other kernels at Qwen3-30B-A3B's shapes. Exit
+status 1 when
 a form fails to compile or needs more shared memory than the SM has.
 Run without TRITON_INTERPRET (under it, @triton.jit builds interpreter functions).
 """
@@ -39,6 +41,10 @@ DS_HQ, DS_DK, DS_DV = 128, 192, 128
 # MLA's absorbed attention over the latent (kv_lora_rank 512, qk_rope_head_dim 64), DeepSeek-V3
 # (and Kimi-K2) at 128 heads.
 MLA_L, MLA_R = 512, 64
+# Qwen3.6-35B-A3B's Gated DeltaNet layers: 16 key heads, 32 value heads, both 128 wide, conv
+# kernel 4 over q, k and v's channels (2 * 16 * 128 + 32 * 128).
+GDN_HK, GDN_HV, GDN_D, GDN_W = 16, 32, 128, 4
+GDN_CONV = 2 * GDN_HK * GDN_D + GDN_HV * GDN_D
 
 
 def compile_form(fn, args: dict, num_warps: int, num_stages: int, arch: int) -> int:
@@ -239,6 +245,49 @@ def routing_forms():
                     BLOCK_K=triton_next_pow2(k)), 4, 3)
 
 
+def gated_delta_forms(p: str):
+    """Both gated_delta_rule kernels as the launcher configures them for 16-bit inputs, and
+    the two conv1d kernels."""
+    gd = importlib.import_module("triton_kernels.gated_delta")
+    cv = importlib.import_module("triton_kernels.causal_conv1d")
+    gd.interpreting = cv.interpreting = lambda: False     # the GPU's tiles
+    hk, hv, d = GDN_HK, GDN_HV, GDN_D
+    args = dict(q_ptr=p, k_ptr=p, v_ptr=p, g_ptr="*fp32", beta_ptr=p, o_ptr=p,
+                state_ptr="*fp32", slots_ptr="*i32", cu_ptr="*i32", has_init_ptr="*i1",
+                scale=0.088, stride_qt=3 * hk * d, stride_qh=d, stride_kt=3 * hk * d,
+                stride_kh=d, stride_vt=3 * hk * d, stride_vh=d, stride_gt=hv, stride_bt=hv,
+                stride_ot=hv * d, stride_oh=d, stride_ss=hv * d * d, stride_sh=d * d,
+                stride_sk=d, G=hv // hk, DK=d, DV=d, BK=d)
+    tag = f"Hk{hk} Hv{hv} D{d}"
+    for chunked in (False, True):
+        cfg = gd._gated_delta_config(d, d, chunked)
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        if not chunked:
+            yield (f"gated_delta recurrent {tag} BV{cfg['BV']}", gd._gated_delta_recurrent_kernel,
+                   dict(args, **cfg, L2NORM=True), warps, stages)
+            continue
+        # Qwen3-Next's layers always l2norm q and k (the form without compiles the same dots)
+        yield (f"gated_delta chunk{gd.CHUNK} {tag} BV{cfg['BV']} l2norm=True",
+               gd._gated_delta_chunk_kernel,
+               dict(args, **cfg, C=gd.CHUNK, SUB=gd._SUB, L2NORM=True, DOT_PRECISION="tf32",
+                    INV_PRECISION="tf32x3"), warps, stages)
+    cfg = cv._conv_config()
+    for bias, silu in ((False, True), (True, False)):
+        yield (f"causal_conv1d C{GDN_CONV} W{GDN_W} bias={bias} silu={silu}",
+               cv._causal_conv1d_kernel,
+               dict(x_ptr=p, w_ptr=p, bias_ptr=p, state_ptr=p, y_ptr=p, seq_idx_ptr="*i64",
+                    cu_ptr="*i32", slots_ptr="*i32", has_init_ptr="*i1", T=1000, C=GDN_CONV,
+                    stride_xt=GDN_CONV, stride_yt=GDN_CONV, stride_wc=GDN_W,
+                    stride_ss=GDN_CONV * (GDN_W - 1), stride_sc=GDN_W - 1, W=GDN_W,
+                    HAS_BIAS=bias, SILU=silu, BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"]),
+               cfg["num_warps"], 3)
+    yield (f"conv_state_update C{GDN_CONV} W{GDN_W}", cv._conv_state_update_kernel,
+           dict(x_ptr=p, state_ptr=p, cu_ptr="*i32", slots_ptr="*i32", has_init_ptr="*i1",
+                C=GDN_CONV, stride_xt=GDN_CONV, stride_ss=GDN_CONV * (GDN_W - 1),
+                stride_sc=GDN_W - 1, W=GDN_W, E_PAD=triton_next_pow2(GDN_W - 1),
+                BLOCK_C=cfg["BLOCK_C"]), cfg["num_warps"], 3)
+
+
 def small_forms(p: str):
     kv, rn, rp, sm, ts = (importlib.import_module(f"triton_kernels.{m}") for m in
                           ("kv_write", "rms_norm", "rope", "silu_mul", "topk_softmax"))
@@ -348,6 +397,7 @@ def forms(dtype: str, every_quant_config=False):
     yield from small_forms(p)
     yield from routing_forms()
     yield from quant_forms(p, every_config=every_quant_config)
+    yield from gated_delta_forms(p)
 
 
 def main(argv=None) -> int:
@@ -357,6 +407,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=sorted(POINTER), default="bf16")
     ap.add_argument("--every-quant-config", action="store_true",
                     help="compile the quantized kernels in each autotune config (slow)")
+    ap.add_argument("--only", help="compile only the forms whose label contains this")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: unset TRITON_INTERPRET (under it @triton.jit builds interpreter "
@@ -365,6 +416,8 @@ def main(argv=None) -> int:
     failed = 0
     for arch in args.arch or [90, 80]:
         for label, fn, kernel_args, warps, stages in forms(args.dtype, args.every_quant_config):
+            if args.only and args.only not in label:
+                continue
             try:
                 shared = compile_form(fn, kernel_args, warps, stages, arch)
             except Exception as e:          # noqa: BLE001 - a failed compile is the finding

@@ -51,7 +51,7 @@ def causal_conv1d_reference(x, weight, bias, conv_state_pool, state_slots, cu_se
 
 # ---- Triton ---------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _causal_conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, y_ptr, seq_idx_ptr, cu_ptr,
                           slots_ptr, has_init_ptr, T, C, stride_xt, stride_yt, stride_wc,
                           stride_ss, stride_sc, W: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -126,6 +126,12 @@ def _conv_config() -> dict:
 
 def causal_conv1d_triton(x, weight, bias, conv_state_pool, state_slots, cu_seqlens,
                          has_initial_state, activation: str | None = "silu"):
+    """Two launches: the conv over (token tile, channel tile), then the state update per
+    (sequence, channel tile) once every old state has been read.
+
+    Nothing is autotuned. Compiled variants are keyed by the constexprs only: W, HAS_BIAS,
+    SILU (and x's dtype); T is not specialized, so a warmup of one batch per (activation,
+    bias) pair covers every request."""
     _check_args(x, weight, bias, conv_state_pool, state_slots, cu_seqlens, has_initial_state,
                 activation)
     t, c = x.shape
@@ -181,6 +187,11 @@ def _check_args(x, weight, bias, conv_state_pool, state_slots, cu_seqlens, has_i
         if tensor.dtype not in (torch.int32, torch.int64) or not tensor.is_contiguous():
             raise ValueError(f"causal_conv1d: {name} must be contiguous int32/int64, got "
                              f"{tensor.dtype}")
+    others = [weight, conv_state_pool, state_slots, cu_seqlens, has_initial_state]
+    others += [] if bias is None else [bias]
+    if any(t.device != x.device for t in others):
+        raise ValueError(f"causal_conv1d: every tensor must be on {x.device}, got "
+                         f"{[str(t.device) for t in others]}")
     if has_initial_state.dtype != torch.bool or not has_initial_state.is_contiguous():
         raise ValueError(f"causal_conv1d: has_initial_state must be a contiguous bool tensor, "
                          f"got {has_initial_state.dtype}")

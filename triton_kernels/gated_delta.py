@@ -47,10 +47,10 @@ def _recurrent_steps(q, k, v, g, beta, state, scale: float, use_qk_l2norm: bool)
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         k_t = k[:, t]                                                     # [B, Hv, Dk]
-        pred = torch.einsum("bhk,bhkv->bhv", k_t, state)                  # k S
+        pred = (state * k_t[..., None]).sum(-2)                           # k S [B, Hv, Dv]
         delta = beta[:, t, :, None] * (v[:, t] - pred)                    # [B, Hv, Dv]
         state = state + k_t[..., :, None] * delta[..., None, :]
-        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
+        out[:, t] = (state * q[:, t, ..., None]).sum(-2)
     return out, state
 
 
@@ -156,11 +156,11 @@ def _solve_unit_lower(lmat, r, offs_c, C: tl.constexpr, SUB: tl.constexpr, BV: t
     off = tl.where(same, 0.0, lmat)
     eye = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
     inv = eye
-    for j in tl.static_range(1, SUB):
+    for j in range(1, SUB):          # a loop, not unrolled: compile time
         step = eye - tl.dot(diag, inv, input_precision=PRECISION)
         inv = tl.where(((offs_c % SUB) == j)[:, None], step, inv)
     u = tl.zeros((C, BV), dtype=tl.float32)
-    for b in tl.static_range(C // SUB):
+    for b in range(C // SUB):
         in_b = (blk == b)[:, None]
         rest = tl.where(in_b, r - tl.dot(off, u, input_precision=PRECISION), 0.0)
         u = tl.where(in_b, tl.dot(inv, rest, input_precision=PRECISION), u)
@@ -208,35 +208,41 @@ def _gated_delta_chunk_kernel(
         mask_t = rows < end
         rows64 = rows.to(tl.int64)
         mask_tk = mask_t[:, None] & mask_k[None, :]
-        q = tl.load(q_ptr + rows64[:, None] * stride_qt + kh * stride_qh + offs_k[None, :],
-                    mask=mask_tk, other=0.0).to(tl.float32)                          # [C, BK]
-        k = tl.load(k_ptr + rows64[:, None] * stride_kt + kh * stride_kh + offs_k[None, :],
-                    mask=mask_tk, other=0.0).to(tl.float32)
+        q_rows = q_ptr + rows64[:, None] * stride_qt + kh * stride_qh + offs_k[None, :]
+        k_rows = k_ptr + rows64[:, None] * stride_kt + kh * stride_kh + offs_k[None, :]
+        q = tl.load(q_rows, mask=mask_tk, other=0.0).to(tl.float32)                  # [C, BK]
+        k = tl.load(k_rows, mask=mask_tk, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + rows64[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
                     mask=mask_t[:, None] & mask_v[None, :], other=0.0).to(tl.float32)  # [C, BV]
         g = tl.load(g_ptr + rows64 * stride_gt + h, mask=mask_t, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + rows64 * stride_bt + h, mask=mask_t, other=0.0).to(tl.float32)
+        # per-row factors: q's l2norm and the scale, k's l2norm (the tiles are loaded again
+        # after the solve and scaled by these, rather than kept live across it: registers)
+        q_f = tl.full((C,), 1.0, tl.float32) * scale
+        k_f = tl.full((C,), 1.0, tl.float32)
         if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
-            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        q = q * scale
+            q_f = q_f * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)
+            k_f = tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)
         gc = tl.cumsum(g, axis=0)                                                       # [C]
         gc_last = tl.sum(g, axis=0)
-        # e^(gc_i - gc_j) where j <= i, 0 above the diagonal (masked before exp: no inf)
-        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
+        k = k * k_f[:, None]
+        o = (tl.exp(gc) * q_f)[:, None] * tl.dot(q, state, input_precision=DOT_PRECISION)
+        # e^(gc_i - gc_j) where j < i, 0 elsewhere (masked before exp: no inf)
+        decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
         kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)                       # [C, C]
-        lmat = tl.where(lower, kk * decay * beta[:, None], 0.0)
+        lmat = kk * decay * beta[:, None]
         ks0 = tl.dot(k, state, input_precision=DOT_PRECISION)                            # [C, BV]
         r = beta[:, None] * (v - tl.exp(gc)[:, None] * ks0)
         u = _solve_unit_lower(lmat, r, offs_c, C, SUB, BV, INV_PRECISION)
+        q = tl.load(q_rows, mask=mask_tk, other=0.0).to(tl.float32) * q_f[:, None]
+        k = tl.load(k_rows, mask=mask_tk, other=0.0).to(tl.float32) * k_f[:, None]
+        decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay
-        o = (tl.exp(gc)[:, None] * tl.dot(q, state, input_precision=DOT_PRECISION)
-             + tl.dot(qk, u, input_precision=DOT_PRECISION))
+        o += tl.dot(qk, u, input_precision=DOT_PRECISION)
         tl.store(o_ptr + rows64[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_v[None, :])
-        k_tail = k * tl.exp(gc_last - gc)[:, None]
-        state = state * tl.exp(gc_last) + tl.dot(tl.trans(k_tail), u,
-                                                 input_precision=DOT_PRECISION)
+        k = k * tl.exp(gc_last - gc)[:, None]
+        state = state * tl.exp(gc_last) + tl.dot(tl.trans(k), u, input_precision=DOT_PRECISION)
     tl.store(s_ptrs, state, mask=mask_s)
 
 
@@ -248,7 +254,8 @@ def _gated_delta_config(dk_pad: int, dv: int, chunked: bool) -> dict:
     if interpreting():
         return dict(BV=16, num_warps=4, num_stages=1)
     if chunked:
-        return dict(BV=min(32, max(16, triton.next_power_of_2(dv))), num_warps=4, num_stages=1)
+        # 8 warps: the chunk's fp32 tiles ([C, Dk] keys, [C, C] systems) want the registers
+        return dict(BV=min(32, max(16, triton.next_power_of_2(dv))), num_warps=8, num_stages=1)
     return dict(BV=min(32, max(16, triton.next_power_of_2(dv))), num_warps=4 if dk_pad <= 128
                 else 8, num_stages=1)
 
@@ -257,7 +264,13 @@ def gated_delta_rule_triton(q, k, v, g, beta, state_pool, state_slots, cu_seqlen
                             has_initial_state, scale: float, use_qk_l2norm: bool = True,
                             *, chunked: bool | None = None):
     """The recurrent kernel when every sequence brings one token (T == N: a decode batch, no
-    device sync to find out), the chunked kernel otherwise; `chunked` forces one (tests)."""
+    device sync to find out), the chunked kernel otherwise; `chunked` forces one (tests).
+
+    Nothing is autotuned, and no request-dependent integer reaches a kernel (lengths come
+    from cu_seqlens on the device), so the compiled variants are keyed by: the form
+    (recurrent / chunked), use_qk_l2norm, the q/k/v dtype, and the layer's heads and dims
+    (with its strides). A warmup that runs one decode batch and one prefill batch per
+    linear-attention layer shape covers every request."""
     _check_args(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_initial_state)
     t, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -319,6 +332,10 @@ def _check_args(q, k, v, g, beta, state_pool, state_slots, cu_seqlens, has_initi
         if x.dtype not in (torch.int32, torch.int64) or not x.is_contiguous():
             raise ValueError(f"gated_delta_rule: {name} must be contiguous int32/int64, got "
                              f"{x.dtype}")
+    others = (k, v, g, beta, state_pool, state_slots, cu_seqlens, has_initial_state)
+    if any(x.device != q.device for x in others):
+        raise ValueError(f"gated_delta_rule: every tensor must be on {q.device}, got "
+                         f"{[str(x.device) for x in others]}")
     if has_initial_state.dtype != torch.bool or not has_initial_state.is_contiguous():
         raise ValueError(f"gated_delta_rule: has_initial_state must be a contiguous bool tensor, "
                          f"got {has_initial_state.dtype}")
