@@ -287,3 +287,26 @@ def test_nvfp4_gate_and_up_with_different_global_scales(tmp_path, caplog):
     gate_g = 1.0 / tensors["model.layers.0.mlp.experts.5.gate_proj.weight_global_scale"]
     assert bank.w13_g[5].item() == pytest.approx(gate_g.item(), rel=1e-6)
     assert rel_err(llm.logits(PROMPT), want) < 1e-3
+
+
+def test_deepseek_v3_fp8_matches_its_dequantized_oracle(tmp_path):
+    """DeepSeek-V3 ships only in FP8: every MLA projection block-quantized, kv_b_proj included,
+    which both attention forms need as a matrix (decoded once); ragged blocks (576-wide latent
+    projections in the real model, 40 here against 16x32 blocks)."""
+    from transformers import AutoModelForCausalLM
+    path = str(tiny(tmp_path / "q", "deepseek_v3", "fp8", num_kv_heads=4))
+    oracle = dequantize_checkpoint(path, tmp_path / "deq")
+    hf = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        want_logits = hf(torch.tensor([PROMPT])).logits[0]
+    want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, min_new_tokens=12,
+                       do_sample=False)[0, len(PROMPT):].tolist()
+    for kw in ({}, dict(moe_backend="offload", moe_cache_size="2")):
+        llm = LLM(path, skip_tokenizer_init=True, max_prefill_length=8, **kw)
+        attn = llm.runner.model.model.layers[1].self_attn
+        assert type(attn.kv_b_proj).__name__ == "QuantLinear"
+        assert type(attn.kv_a_proj_with_mqa).__name__ == "QuantLinear"
+        err = rel_err(llm.logits(PROMPT), want_logits)
+        assert err < 1e-3, f"{kw}: relative logit error {err:.2e}"
+        assert llm.generate([PROMPT], PARAMS)[0].token_ids == want, kw

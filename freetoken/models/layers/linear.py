@@ -31,6 +31,11 @@ class QuantLinear(nn.Module):
     def weight_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in `dtype`: for the few callers that need the matrix itself
+        (MLA folds kv_b_proj into its query and output), once, not per forward."""
+        return tk.dequantize_reference(self.fmt, self.weight_dict(), dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = tk.quant_linear(x.reshape(-1, shape[-1]), self.fmt, self.weight_dict(), self.bias)

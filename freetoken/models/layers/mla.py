@@ -82,6 +82,7 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                    bias=False)
+        self._kv_b_decoded: torch.Tensor | None = None     # kv_b_weight() of a quantized kv_b_proj
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
 
     def cache_spec(self) -> LatentSpec:
@@ -102,10 +103,22 @@ class MlaAttention(nn.Module):
         lr = self.cfg.kv_lora_rank
         return torch.cat([self.kv_a_layernorm(kv[:, :lr].contiguous()), kv[:, lr:]], dim=-1)
 
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight [H*(N+V), L] as a matrix in the compute dtype. Both attention
+        forms multiply by pieces of it, so a quantized kv_b_proj (DeepSeek-V3 ships FP8) is
+        decoded once, on first use, and kept (H*(N+V)*L values a layer: 32 MB in bf16 for
+        DeepSeek-V3, as the absorbed form needs it anyway)."""
+        if isinstance(self.kv_b_proj, nn.Linear):
+            return self.kv_b_proj.weight
+        if self._kv_b_decoded is None:
+            dtype = self.kv_a_layernorm.weight.dtype
+            self._kv_b_decoded = self.kv_b_proj.dequantized(dtype)
+        return self._kv_b_decoded
+
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight split per head: W_UK [H, N, L], W_UV [H, V, L]."""
         c = self.cfg
-        w = self.kv_b_proj.weight.view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim,
+        w = self.kv_b_weight().view(self.num_heads, c.qk_nope_head_dim + c.v_head_dim,
                                        c.kv_lora_rank)
         return w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
@@ -177,7 +190,7 @@ class MlaAttention(nn.Module):
         c, n, bs = self.cfg, q.shape[0], latent_cache.shape[1]
         blocks = block_table[:-(-ctx // bs)].long()
         latent = latent_cache[blocks].flatten(0, 1)[:ctx].to(q.dtype)     # [ctx, L+R]
-        kv = F.linear(latent[:, :c.kv_lora_rank], self.kv_b_proj.weight)
+        kv = F.linear(latent[:, :c.kv_lora_rank], self.kv_b_weight())
         kv = kv.view(ctx, self.num_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_pe = latent[:, None, c.kv_lora_rank:].expand(ctx, self.num_heads, c.qk_rope_head_dim)
         k = torch.cat([kv[..., :c.qk_nope_head_dim], k_pe], dim=-1)      # [ctx, H, N+R]

@@ -33,7 +33,8 @@ QUANTS = ("fp8", "fp8-tensor", "fp8-channel", "mxfp4", "nvfp4", "nvfp4-modelopt"
           "int4-asym", "int4-awq")
 # Linear projections that are quantized; routers (`mlp.gate`, `mlp.router`), the shared
 # expert's gate, embeddings and lm_head are not.
-_PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|w1|w2|w3"
+                   r"|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight$")   # + MLA's
 _GATE_UP = re.compile(r"^(.*\.experts\.\d+)\.(gate_proj|up_proj|w1|w3)\.weight$")
 IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*mlp\\.router$", "re:.*shared_expert_gate$",
           "re:.*block_sparse_moe\\.gate$"]
