@@ -43,11 +43,15 @@ def test_grouped_equals_the_expert_loop(dtype):
                                         f"{int((diff > 0).sum())} elements differ, max {diff.max()}")
 
 
-def test_reference_takes_the_loop_for_unaligned_widths():
+def test_reference_on_unaligned_widths_and_sparse_routing():
     # D = 20 floats: 80-byte rows grouped_mm takes; I = 6 float16: 12-byte rows it refuses.
     g = torch.Generator().manual_seed(3)
     x, w13, w2, weights, ids, sm, _, _ = _inputs(g, 5, 6, 2, 6, 20, 6, torch.float16, True, False)
     got = fused_moe_reference(x, w13, w2, weights, ids, sm)
     assert torch.equal(got, _moe_loop_torch(x, w13, w2, weights, ids, sm, None, None, SILU))
-    with pytest.raises(RuntimeError):
-        _moe_grouped_torch(x, w13, w2, weights, ids, sm, None, None, SILU)
+    # One token on 2 of 32 experts (batch-1 decode's shape of routing) and 16 tokens on most
+    # of them: both forms the dispatch picks give the loop's bits.
+    for t in (1, 16):
+        args = _inputs(g, t, 32, 2, 32, 16, 8, torch.bfloat16, False, False)
+        got = fused_moe_reference(*args[:5])
+        assert torch.equal(got, _moe_loop_torch(*args, SILU))

@@ -77,7 +77,14 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # grouped_mm also wants rows of a multiple of 16 bytes (real widths are; odd test ones not).
     row_bytes = (x.shape[1], w2.shape[2])
     aligned = all(n * x.element_size() % 16 == 0 for n in row_bytes)
-    run = _moe_grouped_torch if x.device.type == "cpu" and aligned else _moe_loop_torch
+    run = _moe_loop_torch
+    if x.device.type == "cpu" and aligned and topk_ids.numel():
+        # torch's CPU grouped_mm runs one mm (and one .item()) per group, empty ones too:
+        # over the used slots' range it pays only where most of that range is used (batch 8
+        # and up); batch-1 decode (8 of 64 experts) stays on the loop.
+        used = (topk_ids if slot_map is None else slot_map[topk_ids]).unique()
+        if 2 * used.numel() >= int(used[-1] - used[0]) + 1:
+            run = _moe_grouped_torch
     return run(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
 
 
@@ -111,13 +118,15 @@ def _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, ac
     # in (token, k) order, as the loop's `where`.
     by_slot = torch.sort(slots, stable=True).indices                        # [P]
     slot_sorted = slots[by_slot]
-    offs = torch.bincount(slot_sorted, minlength=w13.shape[0]).cumsum(0).to(torch.int32)  # [S]
+    # Only the slots [lo, hi] the pairs use (a view): each group costs an mm, empty or not.
+    lo, hi = int(slot_sorted[0]), int(slot_sorted[-1])
+    offs = torch.bincount(slot_sorted - lo, minlength=hi - lo + 1).cumsum(0).to(torch.int32)
     h = x[by_slot // k]                                                     # [P, D]
-    gate_up = F.grouped_mm(h, w13.transpose(1, 2), offs=offs)               # [P, 2I]
+    gate_up = F.grouped_mm(h, w13[lo:hi + 1].transpose(1, 2), offs=offs)    # [P, 2I]
     if b13 is not None:
         gate_up = gate_up + b13[slot_sorted]
     gate, up = gate_up.chunk(2, dim=-1)
-    h = F.grouped_mm(_activate(gate, up, activation), w2.transpose(1, 2), offs=offs)  # [P, D]
+    h = F.grouped_mm(_activate(gate, up, activation), w2[lo:hi + 1].transpose(1, 2), offs=offs)
     if b2 is not None:
         h = h + b2[slot_sorted]
     h = (h * topk_weights.reshape(-1)[by_slot, None].to(h.dtype)).to(x.dtype)
