@@ -264,12 +264,12 @@ def main(argv=None) -> int:
     print(f"weights {total / 1e9:.2f} GB ({args.dtype}), active per token {active / 1e9:.3f} GB; "
           f"DRAM read {_fmt(dram)} GB/s with {args.threads} threads; {tokens} decode tokens, "
           f"{args.rounds} rounds (median [min-max])")
-    print("tok/s".ljust(14) + "".join(f.ljust(24) for f in figures) + "b1 roofline")
+    print("tok/s".ljust(18) + "".join(f.ljust(24) for f in figures) + "b1 roofline")
     for name, r in res.items():
         b1 = r.get("decode_b1") or []
         b1 = [v for v in b1 if v == v]
         roof = f"{statistics.median(b1) * active / 1e9 / bw:.0%}" if b1 else "-"
-        print(name.ljust(14) + "".join(_fmt(r.get(f)).ljust(24) for f in figures) + roof)
+        print(name.ljust(18) + "".join(_fmt(r.get(f)).ljust(24) for f in figures) + roof)
     ft = res["freetoken"]
     for other in [n for n in res if n != "freetoken"]:
         ratios = []
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
                 ratios.append(_fmt([a / b for a, b in zip(ft[f], o)]))
             else:
                 ratios.append(_fmt([statistics.median(ft[f]) / statistics.median(o)]))
-        print(f"ft/{other}"[:13].ljust(14) + "".join(r.ljust(24) for r in ratios))
+        print(f"ft/{other}".ljust(18) + "".join(r.ljust(24) for r in ratios))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     return 0
