@@ -70,6 +70,25 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         activation: MoeActivation = SILU) -> torch.Tensor:
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
+    # On the CPU (the CPU experts, the whole CPU engine) one grouped call per projection: a
+    # Python loop over experts costs ~10 ops per expert (~1000 per decode step), more than
+    # the matmuls at batch 1. Elsewhere the loop (grouped_mm wants bf16 and aligned strides
+    # on CUDA). Both give the same bits: the same matmuls per expert, summed in the same order.
+    # grouped_mm also wants rows of a multiple of 16 bytes (real widths are; odd test ones not).
+    row_bytes = (x.shape[1], w2.shape[2])
+    aligned = all(n * x.element_size() % 16 == 0 for n in row_bytes)
+    run = _moe_loop_torch
+    if x.device.type == "cpu" and aligned and topk_ids.numel():
+        # torch's CPU grouped_mm runs one mm (and one .item()) per group, empty ones too:
+        # over the used slots' range it pays only where most of that range is used (batch 8
+        # and up); batch-1 decode (8 of 64 experts) stays on the loop.
+        used = (topk_ids if slot_map is None else slot_map[topk_ids]).unique()
+        if 2 * used.numel() >= int(used[-1] - used[0]) + 1:
+            run = _moe_grouped_torch
+    return run(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
+
+
+def _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation):
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     # Group (token, k) pairs by expert so each expert runs one matmul, like HF's loop.
@@ -87,6 +106,39 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             h = h + b2[slot]
         h = h * topk_weights[token_idx, pos, None].to(h.dtype)
         out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+def _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation):
+    """The loop's arithmetic as one F.grouped_mm per projection (P = T*k pairs, S slots)."""
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)                                              # [P]
+    slots = (ids if slot_map is None else slot_map[ids]).long()
+    # grouped_mm takes each slot's rows together, in slot order; stable, so within a slot
+    # in (token, k) order, as the loop's `where`.
+    by_slot = torch.sort(slots, stable=True).indices                        # [P]
+    slot_sorted = slots[by_slot]
+    # Only the slots [lo, hi] the pairs use (a view): each group costs an mm, empty or not.
+    lo, hi = int(slot_sorted[0]), int(slot_sorted[-1])
+    offs = torch.bincount(slot_sorted - lo, minlength=hi - lo + 1).cumsum(0).to(torch.int32)
+    h = x[by_slot // k]                                                     # [P, D]
+    gate_up = F.grouped_mm(h, w13[lo:hi + 1].transpose(1, 2), offs=offs)    # [P, 2I]
+    if b13 is not None:
+        gate_up = gate_up + b13[slot_sorted]
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = F.grouped_mm(_activate(gate, up, activation), w2[lo:hi + 1].transpose(1, 2), offs=offs)
+    if b2 is not None:
+        h = h + b2[slot_sorted]
+    h = (h * topk_weights.reshape(-1)[by_slot, None].to(h.dtype)).to(x.dtype)
+    # The loop adds each token's experts one at a time in id order, rounding to x's dtype
+    # after each add (one index_add_ over repeated tokens would sum in float32 and round
+    # once: other bits than HF's loop). So: back to pair order [T, k, D], each token's k rows
+    # in id order, then k adds.
+    rows = torch.empty_like(h).index_copy_(0, by_slot, h).view(*topk_ids.shape, -1)
+    rows = rows.take_along_dim(topk_ids.argsort(dim=1, stable=True)[..., None], dim=1)
+    out = rows[:, 0].clone()
+    for j in range(1, k):
+        out += rows[:, j]
     return out
 
 

@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""The CPU engine against transformers and llama.cpp on the same weights, and against the
+machine's DRAM read ceiling, in one run.
+
+    python bench/cpu.py                                   # Qwen3-MoE-shaped, 1.4 GB bf16
+    python bench/cpu.py --llama-bench /path/llama-bench   # + llama.cpp on a GGUF of them
+    python bench/cpu.py --quick                           # a small shape, seconds
+
+The checkpoint (tools/make_tiny_model.py's generator, random weights: hidden 1024, 12 layers,
+16/4 heads of 64, 64 experts, top-8, expert width 256, vocab 32768) is built on the spot.
+Decode is measured apart from prefill (a run of 1 + N tokens minus a run of 1, 64-token
+prompts) at batch 1, 8 and 16; prefill as one 512-token prompt. The machine is shared (the
+runs are noisy), so FreeToken, transformers and the DRAM probe (a float32 matrix-vector
+product over a matrix far above the L3, with the same threads) run interleaved, --rounds
+times; printed per figure: the median, and the ratios with their spread over rounds.
+Roofline: active bytes per token (the dense weights read once per step, lm_head included, the
+embedding row excluded, plus top_k experts per MoE layer) x tok/s / measured bandwidth.
+llama.cpp: the GGUF comes from llama.cpp's own converter (convert_hf_to_gguf.py, found beside
+the binary or given with --llama-convert); batch 1 and prefill from llama-bench, batch 8/16
+from llama-batched-bench when it sits beside llama-bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's freetoken
+
+SHAPES = {
+    "qwen3-moe-1.4g": dict(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,
+                           head_dim=64, num_experts=64, top_k=8, moe_intermediate_size=256,
+                           vocab_size=32768, max_position_embeddings=4096, norm_topk_prob=True),
+    "quick": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                  num_experts=16, top_k=4, moe_intermediate_size=128, vocab_size=4096,
+                  max_position_embeddings=2048, norm_topk_prob=True),
+}
+BATCHES = (1, 8, 16)
+PROMPT = 64
+PREFILL = 512
+
+
+def dram_read_gbps(threads: int, gib: float) -> float:
+    """float32 matrix-vector product over `gib` GiB (best of 3): the read ceiling."""
+    with _threads(threads):
+        w = torch.empty(int(gib * 2**28) // 4096, 4096).uniform_()
+        x = torch.ones(4096)
+        torch.mv(w, x)
+        best = min(_seconds(lambda: torch.mv(w, x)) for _ in range(3))
+        return w.numel() * 4 / best / 1e9
+
+
+class _threads:
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        self.old = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.old)
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _rate(tokens: int, t_first: float, t_all: float) -> float:
+    """Decode tok/s from a run of 1 token and one of 1 + N; nan where noise swamped it."""
+    return tokens / (t_all - t_first) if t_all > t_first else float("nan")
+
+
+def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(11 + 7 * i + 13 * j) % vocab for j in range(length)] for i in range(batch)]
+
+
+class FreeTokenArm:
+    name = "freetoken"
+
+    def __init__(self, model_dir, dtype, vocab, **kw):
+        from freetoken import LLM, SamplingParams
+        self.sp = SamplingParams
+        self.vocab = vocab
+        self.llm = LLM(str(model_dir), device="cpu", dtype=dtype, skip_tokenizer_init=True,
+                       max_model_len=PREFILL + 64, kv_cache_tokens=16 * (PROMPT + 64) + PREFILL + 64,
+                       max_prefill_length=PREFILL * 16, max_running_requests=16,
+                       enable_prefix_caching=False, **kw)
+
+    def _gen(self, prompts, n):
+        return _seconds(lambda: self.llm.generate(
+            prompts, self.sp(max_tokens=n, temperature=0, ignore_eos=True)))
+
+    def decode(self, batch, tokens):
+        prompts = _prompts(batch, PROMPT, self.vocab)
+        self._gen(prompts, 2)                                     # warm
+        return _rate(batch * tokens, min(self._gen(prompts, 1) for _ in range(2)),
+                     self._gen(prompts, 1 + tokens))
+
+    def prefill(self):
+        prompt = _prompts(1, PREFILL, self.vocab)
+        return PREFILL / min(self._gen(prompt, 1) for _ in range(2))
+
+
+class TransformersArm:
+    name = "transformers"
+
+    def __init__(self, model_dir, dtype, vocab):
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self.vocab = vocab
+
+    @torch.inference_mode()
+    def _gen(self, ids, n):
+        return _seconds(lambda: self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False))
+
+    def decode(self, batch, tokens):
+        ids = torch.tensor(_prompts(batch, PROMPT, self.vocab))
+        self._gen(ids, 2)
+        return _rate(batch * tokens, min(self._gen(ids, 1) for _ in range(2)),
+                     self._gen(ids, 1 + tokens))
+
+    @torch.inference_mode()
+    def prefill(self):
+        ids = torch.tensor(_prompts(1, PREFILL, self.vocab))
+        self.model(ids)
+        return PREFILL / min(_seconds(lambda: self.model(ids)) for _ in range(2))
+
+
+def active_bytes_per_token(model_dir, dtype) -> tuple[int, int]:
+    """(bytes read per decode token at batch 1, total weight bytes), off the meta-built model."""
+    from freetoken.models.loader import init_model
+    model = init_model(model_dir, dtype)[0]
+    blocks = model.moe_blocks()
+    banks = {id(p) for b in blocks.values() for p in b.experts.bank().values()}
+    total = dense = 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        if id(p) not in banks and "embed_tokens" not in name:
+            dense += nbytes
+    experts = sum(b.top_k * b.experts.layout.expert_bytes for b in blocks.values())
+    return dense + experts, total
+
+
+# ---- llama.cpp -------------------------------------------------------------------------------
+
+def gguf_of(model_dir: Path, convert: Path, outtype: str, out: Path) -> Path:
+    # The random checkpoint's tokenizer is not one the converter knows by hash; llama-bench
+    # feeds token ids, so the pre-tokenizer name is irrelevant: name it qwen2.
+    shim = ("import sys, runpy; root = sys.argv.pop(1); sys.path[:0] = [root, root + '/gguf-py']\n"
+            "from conversion.base import TextModel\n"
+            "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
+            "sys.argv[0] = root + '/convert_hf_to_gguf.py'\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    subprocess.run([sys.executable, "-c", shim, str(convert.parent), str(model_dir), "--outfile",
+                    str(out), "--outtype", outtype], check=True, capture_output=True)
+    return out
+
+
+def llama_cpp(bench: Path, gguf: Path, threads: int, tokens: int, rounds: int) -> dict:
+    base = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", str(rounds), "-o", "json",
+            "--repack", "0"]     # the AMX q8_0 repack dies with SIGILL in some VMs
+    out = {}
+    for key, flags in (("decode_b1", ["-p", "0", "-n", str(tokens)]),
+                       ("prefill", ["-p", str(PREFILL), "-n", "0"])):
+        rows = json.loads(subprocess.run(base + flags, check=True, capture_output=True,
+                                         text=True).stdout)
+        out[key] = [float(s) for s in rows[0]["samples_ts"]]
+    batched = bench.parent / "llama-batched-bench"
+    if batched.exists():
+        npl = ",".join(str(b) for b in BATCHES[1:])
+        res = subprocess.run([str(batched), "-m", str(gguf), "-t", str(threads), "-c",
+                              str(max(BATCHES) * (PROMPT + tokens + 8)), "-npp", str(PROMPT),
+                              "-ntg", str(tokens), "-npl", npl, "--output-format", "jsonl"],
+                             check=True, capture_output=True, text=True).stdout
+        for line in res.splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                out[f"decode_b{row['pl']}"] = [float(row["speed_tg"])]
+    return out
+
+
+def _find_convert(bench: Path) -> Path:
+    for d in (bench.parent, *bench.parents):
+        if (d / "convert_hf_to_gguf.py").exists():
+            return d / "convert_hf_to_gguf.py"
+    raise SystemExit(f"no convert_hf_to_gguf.py above {bench}: give --llama-convert")
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+def _fmt(values) -> str:
+    if not values:
+        return "-"
+    values = [v for v in values if v == v]           # nan: a run the noise swamped
+    if not values:
+        return "nan"
+    med = statistics.median(values)
+    return f"{med:.3g}" if len(values) == 1 else f"{med:.3g} [{min(values):.3g}-{max(values):.3g}]"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a small shape, fewer tokens")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every arm")
+    p.add_argument("--decode-tokens", type=int, default=None, help="default 32 (--quick 8)")
+    p.add_argument("--dram-gib", type=float, default=1.0, help="the probe's matrix size")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--llama-bench", type=Path, help="a llama-bench binary: adds llama.cpp")
+    p.add_argument("--llama-convert", type=Path, help="convert_hf_to_gguf.py (default: above the binary)")
+    p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
+    p.add_argument("--out", help="write the report as JSON here")
+    args = p.parse_args(argv)
+    tokens = args.decode_tokens or (8 if args.quick else 32)
+    shape = SHAPES["quick" if args.quick else "qwen3-moe-1.4g"]
+    torch.set_num_threads(args.threads)
+    from freetoken.demo.tiny_model import make_tiny_model
+
+    report = {"conditions": {**vars(args), "shape": shape, "decode_tokens": tokens}}
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        model_dir = Path(tmp) / "model"
+        make_tiny_model(model_dir, family="qwen3_moe", seed=0, dtype=args.dtype, **shape)
+        active, total = active_bytes_per_token(model_dir, args.dtype)
+        report.update(active_bytes_per_token=active, weight_bytes=total)
+        arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"])]
+        if not args.skip_transformers:
+            arms.append(TransformersArm(model_dir, args.dtype, shape["vocab_size"]))
+        figures = [f"decode_b{b}" for b in BATCHES] + ["prefill"]
+        res = {a.name: {f: [] for f in figures} for a in arms}
+        dram = []
+        for _ in range(args.rounds):           # interleaved: each round runs every arm once
+            dram.append(dram_read_gbps(args.threads, args.dram_gib))
+            for f in figures:
+                for a in arms:
+                    res[a.name][f].append(a.prefill() if f == "prefill"
+                                          else a.decode(int(f[8:]), tokens))
+                    print(f"  {a.name} {f}: {res[a.name][f][-1]:.3g} tok/s", file=sys.stderr,
+                          flush=True)
+        dram.append(dram_read_gbps(args.threads, args.dram_gib))
+        del arms
+        if args.llama_bench:
+            convert = args.llama_convert or _find_convert(args.llama_bench)
+            gguf = gguf_of(model_dir, convert, {"bfloat16": "bf16", "float32": "f32"}[args.dtype],
+                           Path(tmp) / "model.gguf")
+            res["llama.cpp"] = llama_cpp(args.llama_bench, gguf, args.threads, tokens, args.rounds)
+    report.update(dram_read_gbps=dram, results=res)
+
+    bw = statistics.median(dram)
+    print(f"weights {total / 1e9:.2f} GB ({args.dtype}), active per token {active / 1e9:.3f} GB; "
+          f"DRAM read {_fmt(dram)} GB/s with {args.threads} threads; {tokens} decode tokens, "
+          f"{args.rounds} rounds (median [min-max])")
+    print("tok/s".ljust(18) + "".join(f.ljust(24) for f in figures) + "b1 roofline")
+    for name, r in res.items():
+        b1 = r.get("decode_b1") or []
+        b1 = [v for v in b1 if v == v]
+        roof = f"{statistics.median(b1) * active / 1e9 / bw:.0%}" if b1 else "-"
+        print(name.ljust(18) + "".join(_fmt(r.get(f)).ljust(24) for f in figures) + roof)
+    ft = res["freetoken"]
+    for other in [n for n in res if n != "freetoken"]:
+        ratios = []
+        for f in figures:
+            o = res[other].get(f)
+            if not o:
+                ratios.append("-")
+            elif len(o) == len(ft[f]):    # same rounds: the per-round ratio and its spread
+                ratios.append(_fmt([a / b for a, b in zip(ft[f], o)]))
+            else:
+                ratios.append(_fmt([statistics.median(ft[f]) / statistics.median(o)]))
+        print(f"ft/{other}".ljust(18) + "".join(r.ljust(24) for r in ratios))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
