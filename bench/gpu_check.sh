@@ -4,6 +4,8 @@
 #   bash bench/gpu_check.sh kernels    # ~6 min: kernel tests on CUDA, kernel microbenchmarks
 #   bash bench/gpu_check.sh serve      # ~5 min: sampling, whole-model parity, first request
 #   bash bench/gpu_check.sh offload    # ~8 min: ft bench bw, then bench/offload.py
+#   bash bench/gpu_check.sh models     # ~8 min: MLA, Gated DeltaNet and dequantizing kernels
+#                                      #   (never yet run on CUDA), their tests and benches
 # A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one.
 # Everything is written under $OUT (or ./gpu-check-out).
 # kernels: kernel tests on CUDA (float16/bfloat16, one fixed config per autotuned kernel) ->
@@ -51,6 +53,15 @@ serve)
   timeout 150 python3 bench/first_request.py --model /tmp/gpu-tiny --device cuda \
     --lengths 1 7 100 1000 4000 --out "$OUT/first_request.json" 2>&1 | tee "$OUT/first_request.txt"
   ;;
+models)
+  echo "== MLA, Gated DeltaNet and dequantizing kernel tests on CUDA"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mla.py \
+    tests/test_kernels_gated_delta.py tests/test_kernels_dequant.py > "$OUT/model_kernel_tests.txt" 2>&1
+  tail -30 "$OUT/model_kernel_tests.txt"
+  echo "== their microbenchmarks (DeepSeek-V3 / GLM-4.7-Flash MLA, Qwen3.6 Gated DeltaNet, quantized MoE)"
+  timeout 240 python3 bench/kernels.py --dtype bf16 \
+    --ops mla_attention,gated_delta_rule,causal_conv1d,fused_moe_quant 2>&1 | tee "$OUT/kernels_models.txt"
+  ;;
 offload)
   echo "== ft bench bw"
   timeout 90 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
@@ -58,7 +69,7 @@ offload)
   timeout 420 python3 bench/offload.py --workdir /tmp --out "$OUT/offload.json" 2>&1 | tee "$OUT/offload.txt"
   ;;
 *)
-  echo "unknown part $PART: kernels, serve or offload" >&2
+  echo "unknown part $PART: kernels, serve, offload or models" >&2
   exit 2
   ;;
 esac

@@ -17,6 +17,8 @@ from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
 from triton_kernels.quant_matmul import quant_linear_triton
 from triton_kernels.quant_moe import fused_moe_quant_triton
 
+pytestmark = pytest.mark.usefixtures("kernel_device")
+
 FORMATS = {
     # Non-square, so a swapped row/column block size fails (the decode tests use (16, 16)).
     # The interpreter's K tiles are 32 wide: one scale column per tile here (the kernels' vector

@@ -16,6 +16,8 @@ from test_kernels import DTYPES, _kernel_device, _seed, assert_close  # noqa: F4
 from triton_kernels.causal_conv1d import causal_conv1d_reference, causal_conv1d_triton
 from triton_kernels.gated_delta import gated_delta_rule_reference, gated_delta_rule_triton
 
+pytestmark = pytest.mark.usefixtures("kernel_device")
+
 # The chunked kernel solves each chunk's triangular system in float32 and the recurrence
 # stays float32: against the float32 reference, float32 inputs agree to rounding; float16
 # inputs round the output once (both sides read the same float16 q, k, v).

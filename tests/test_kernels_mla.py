@@ -15,6 +15,8 @@ import triton_kernels as tk
 from triton_kernels.mla_attention import (mla_attention_reference, mla_attention_triton,
                                           write_latent_reference, write_latent_triton)
 
+pytestmark = pytest.mark.usefixtures("kernel_device")
+
 mla_module = importlib.import_module("triton_kernels.mla_attention")
 
 
