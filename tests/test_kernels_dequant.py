@@ -223,6 +223,8 @@ def _shapes(name):
 CASES = [(name, DTYPES[i % 2]) for i, name in enumerate(FORMATS)]
 FORMATS_LINEAR = dict(FORMATS, fp8_block_odd=QuantFormat("fp8_block", block=(32, 48)))
 LINEAR_CASES = CASES + [("fp8_block_odd", DTYPES[0])]
+# The MoE kernels share the decode with quant_linear: int4 runs there asymmetric only.
+MOE_CASES = [case for case in CASES if case[0] != "int4_sym"]
 
 
 @pytest.mark.parametrize("name,dtype", LINEAR_CASES,
@@ -240,7 +242,7 @@ def test_quant_linear_matches_reference(name, dtype):
 
 
 @pytest.mark.parametrize("path", ["gemv", "grouped"])
-@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+@pytest.mark.parametrize("name,dtype", MOE_CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in MOE_CASES])
 def test_fused_moe_quant_matches_reference(name, dtype, path):
     fmt = FORMATS[name]
     d, inter = _shapes(name)
