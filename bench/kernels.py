@@ -344,8 +344,9 @@ def print_quant_ratios(rows: list, dense: dict, ceiling: float) -> None:
     """fused_moe_quant rows: GB/s as fractions of the copy ceilings, and time vs bf16."""
     if not rows:
         return
-    print(f"\nquantized MoE decode: GB/s of quantized bytes / copy ceiling here ({ceiling / 1e9:.0f}"
-          f" GB/s) and / GPU.md's H200 ({H200_COPY_GBS} GB/s); time / fused_moe's at that T")
+    print(f"\nquantized MoE decode: GB/s of quantized bytes / copy ceiling here "
+          f"({ceiling / 1e9:.0f} GB/s) and / GPU.md's H200 ({H200_COPY_GBS} GB/s); "
+          f"time / fused_moe's at that T")
     for shape, seconds, gbs in rows:
         t = shape.split("T=")[1].split()[0]
         base = dense.get(t)

@@ -332,7 +332,8 @@ def quant_forms(p: str, d=D, inter=I, top_k=K, every_config=False):
     gemv_c = [(c.kwargs, c.num_warps, c.num_stages) for c in fm._GEMV_CONFIGS] + fixed_c
     gemm_c = ([(dict(c.kwargs, BLOCK_M=16), c.num_warps, c.num_stages) for c in fm._DECODE_CONFIGS]
               + [(dict(c.kwargs, BLOCK_M=64), c.num_warps, c.num_stages)
-                 for c in fm._PREFILL_CONFIGS] + [(dict(fixed_c[0][0], BLOCK_M=64),) + fixed_c[0][1:]])
+                 for c in fm._PREFILL_CONFIGS]
+              + [(dict(fixed_c[0][0], BLOCK_M=64),) + fixed_c[0][1:]])
     if not every_config:
         gemv_c, gemm_c = fixed_c, [(dict(c.kwargs, BLOCK_M=bm), c.num_warps, c.num_stages)
                                    for bm, c in ((16, fm._DECODE_CONFIGS[0]),

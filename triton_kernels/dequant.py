@@ -84,8 +84,9 @@ def weight_shape(fmt: QuantFormat, w: dict, what: str = "weight") -> tuple[tuple
     q, s = w["q"], w["s"]
     want_q = torch.uint8 if fmt.packed else torch.float8_e4m3fn
     if q.dtype != want_q or q.dim() < 2:
-        raise ValueError(f"{what}: {fmt.kind} q must be {want_q} [.., N, K{'/2' if fmt.packed else ''}]"
-                         f", got {q.dtype} {tuple(q.shape)}")
+        cols = "K/2" if fmt.packed else "K"
+        raise ValueError(f"{what}: {fmt.kind} q must be {want_q} [.., N, {cols}], got "
+                         f"{q.dtype} {tuple(q.shape)}")
     lead, n, k = tuple(q.shape[:-2]), q.shape[-2], q.shape[-1] * (2 if fmt.packed else 1)
     if k % fmt.group_k and fmt.kind != "fp8_block":
         raise ValueError(f"{what}: {fmt.kind} needs K % {fmt.group_k} == 0, got K={k}")
@@ -218,51 +219,92 @@ def _e8m0_to_f32(byte):
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, rows, cols, k0, row_mask, col_mask, stride_qn,
-                  stride_sn, KIND: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
-                  HAS_ZERO: tl.constexpr, SCALE_BF16: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[rows, cols] in float32 for the K tile cols = k0 + arange(BLOCK_K): rows [1, BN] and
-    cols [BK, 1] (tl.dot's orientation) or rows [BN, 1] and cols [1, BK] (a GEMV's), with their
-    masks; masked elements are 0. The pointers are at one weight's (or expert's) base; "q" rows
-    are stride_qn apart, scale rows stride_sn; fp8 "q" and e4m3 "s" come as uint8, bfloat16
-    "s" as int16 (the interpreter cannot load bfloat16)."""
-    mask = row_mask & col_mask
-    if KIND == "fp8_block" or KIND == "fp8_channel" or KIND == "fp8_tensor":
-        w = _e4m3_to_f32(tl.load(q_ptr + rows * stride_qn + cols, mask=mask, other=0))
-        if KIND == "fp8_block":
-            s_rows = s_ptr + (rows // SCALE_ROWS) * stride_sn
-            if GROUP_K % BLOCK_K == 0:
-                # The K tile lies in one scale block: a [BN] vector, not a float32 gather per
-                # element (which the pipeliner would stage in shared memory, 4 bytes each).
-                scale = tl.load(s_rows + k0 // GROUP_K, mask=row_mask, other=0.0)
-            else:
-                scale = tl.load(s_rows + cols // GROUP_K, mask=mask, other=0.0)
-        elif KIND == "fp8_channel":
-            scale = tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-        else:
-            scale = tl.load(s_ptr)
-        w = w * scale
+def _group_scale(s_ptr, rows, row_mask, k0, K, stride_sn, GROUP_K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, OTHER: tl.constexpr):
+    """The raw scale bytes/values of rows [BN, 1] over the K tile k0 + arange(BLOCK_K), as
+    [BN, BLOCK_K // GROUP_K, 1] (whole groups in the tile), [BN, 1, 1] (the tile inside one
+    group) or [BN, BLOCK_K, 1] gathered per column (neither; ragged fp8 blocks): loaded once
+    per group, not per element."""
+    if BLOCK_K % GROUP_K == 0:
+        offs_g = k0 // GROUP_K + tl.arange(0, BLOCK_K // GROUP_K)
+        mask = row_mask & (offs_g[None, :] < tl.cdiv(K, GROUP_K))
+        s = tl.load(s_ptr + rows * stride_sn + offs_g[None, :], mask=mask, other=OTHER)
+    elif GROUP_K % BLOCK_K == 0:
+        s = tl.load(s_ptr + rows * stride_sn + k0 // GROUP_K, mask=row_mask, other=OTHER)
     else:
-        byte = tl.load(q_ptr + rows * stride_qn + cols // 2, mask=mask, other=0).to(tl.int32)
-        nibble = (byte >> ((cols & 1) * 4)) & 0xF          # element 2j low, 2j+1 high
-        s_ptrs = s_ptr + rows * stride_sn + cols // GROUP_K
-        if KIND == "int4":
-            if HAS_ZERO:
-                zero = tl.load(z_ptr + rows * stride_sn + cols // GROUP_K, mask=mask,
-                               other=0).to(tl.int32)
-            else:
-                zero = 8
-            if SCALE_BF16:
-                bits = tl.load(s_ptrs, mask=mask, other=0).to(tl.uint16, bitcast=True)
-                scale = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-            else:
-                scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
-            w = (nibble - zero).to(tl.float32) * scale
-        elif KIND == "mxfp4":
-            w = _e2m1_to_f32(nibble) * _e8m0_to_f32(tl.load(s_ptrs, mask=mask, other=127))
+        cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+        s = tl.load(s_ptr + rows * stride_sn + cols // GROUP_K, mask=row_mask & (cols < K),
+                    other=OTHER)
+    return s[:, :, None]
+
+
+@triton.jit
+def _apply_groups(w, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_K: tl.constexpr, SUBTRACT: tl.constexpr):
+    """w [BN, BK] float32 times (or, SUBTRACT, minus) its per-group value from _group_scale."""
+    if BLOCK_K % GROUP_K == 0:
+        w = w.reshape(BLOCK_N, BLOCK_K // GROUP_K, GROUP_K)
+    elif GROUP_K % BLOCK_K == 0:
+        scale = scale.reshape(BLOCK_N, 1)
+    else:
+        scale = scale.reshape(BLOCK_N, BLOCK_K)
+    if SUBTRACT:
+        w = w - scale
+    else:
+        w = w * scale
+    return w.reshape(BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n, k0, mask_n, K, stride_qn, stride_sn,
+                  KIND: tl.constexpr, SCALE_ROWS: tl.constexpr, GROUP_K: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, SCALE_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """W[offs_n, k0 : k0 + BLOCK_K] in float32, [BLOCK_N, BLOCK_K] (tl.trans it for tl.dot);
+    rows off mask_n and columns past K are 0. The pointers are at one weight's (or expert's)
+    base, "q" rows stride_qn apart, scale rows stride_sn; fp8 "q" and e4m3 "s" come as uint8,
+    bfloat16 "s" as int16 (the interpreter cannot load bfloat16). Packed "q" is loaded as
+    contiguous bytes [BN, BK/2] and its nibbles interleaved in registers; scales once per group."""
+    rows = offs_n[:, None]
+    row_mask = mask_n[:, None]
+    if KIND == "fp8_block" or KIND == "fp8_channel" or KIND == "fp8_tensor":
+        cols = k0 + tl.arange(0, BLOCK_K)[None, :]
+        byte = tl.load(q_ptr + rows * stride_qn + cols, mask=row_mask & (cols < K), other=0)
+        w = _e4m3_to_f32(byte)
+        if KIND == "fp8_block":
+            scale = _group_scale(s_ptr, rows // SCALE_ROWS, row_mask, k0, K, stride_sn, GROUP_K,
+                                 BLOCK_K, 0.0)
+            w = _apply_groups(w, scale, BLOCK_N, BLOCK_K, GROUP_K, False)
+        elif KIND == "fp8_channel":
+            w = w * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
         else:
-            scale = _e4m3_to_f32(tl.load(s_ptrs, mask=mask, other=0))
-            w = _e2m1_to_f32(nibble) * scale * tl.load(g_ptr)
+            w = w * tl.load(s_ptr)
+    else:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :]
+        byte = tl.load(q_ptr + rows * stride_qn + offs_b, mask=row_mask & (offs_b < K // 2),
+                       other=0).to(tl.int32)
+        # Element 2j is byte j's low nibble, 2j+1 its high one: join [BN, BK/2, 2] -> [BN, BK].
+        nibble = tl.join(byte & 0xF, byte >> 4).reshape(BLOCK_N, BLOCK_K)
+        s = _group_scale(s_ptr, rows, row_mask, k0, K, stride_sn, GROUP_K, BLOCK_K,
+                         127 if KIND == "mxfp4" else 0)
+        if KIND == "int4":
+            w = nibble.to(tl.float32)
+            if HAS_ZERO:
+                zero = _group_scale(z_ptr, rows, row_mask, k0, K, stride_sn, GROUP_K, BLOCK_K, 0)
+                w = _apply_groups(w, zero.to(tl.float32), BLOCK_N, BLOCK_K, GROUP_K, True)
+            else:
+                w = w - 8.0
+            if SCALE_BF16:
+                s = (s.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32,
+                                                                         bitcast=True)
+            w = _apply_groups(w, s.to(tl.float32), BLOCK_N, BLOCK_K, GROUP_K, False)
+        elif KIND == "mxfp4":
+            w = _apply_groups(_e2m1_to_f32(nibble), _e8m0_to_f32(s), BLOCK_N, BLOCK_K, GROUP_K,
+                              False)
+        else:
+            w = _apply_groups(_e2m1_to_f32(nibble), _e4m3_to_f32(s), BLOCK_N, BLOCK_K, GROUP_K,
+                              False)
+            w = w * tl.load(g_ptr)
     return w
 
 
@@ -362,7 +404,8 @@ def quant_linear(x: torch.Tensor, fmt: QuantFormat, w: dict,
 
 def fused_moe_quant(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None,
                     b2=None, activation: MoeActivation = SILU):
-    """triton_kernels.fused_moe on quantized banks w13 {"q": [S, 2I, ..], ..}, w2 {"q": [S, D, ..]}."""
+    """triton_kernels.fused_moe on quantized banks: w13 {"q": [S, 2I, ..], ..}, w2 {"q":
+    [S, D, ..], ..}."""
     if use_triton(x):
         from triton_kernels.quant_moe import fused_moe_quant_triton
         op = fused_moe_quant_triton

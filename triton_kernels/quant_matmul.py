@@ -42,9 +42,9 @@ def _quant_linear_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, T, M
         mask_k = cols < K
         a = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt + cols[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n[None, :], cols[:, None], k0,
-                          mask_n[None, :], mask_k[:, None], stride_qn, stride_sn, KIND,
-                          SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_K)
+        w = tl.trans(_dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n, k0, mask_n, K, stride_qn,
+                                   stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16,
+                                   BLOCK_N, BLOCK_K))
         acc = tl.dot(a, w.to(dtype), acc=acc, input_precision=DOT_PRECISION)
     y = acc.to(dtype)
     if HAS_BIAS:
@@ -71,9 +71,8 @@ def _quant_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M_BUCK
         cols = k0 + offs_k
         mask_k = cols < K
         a = tl.load(x_ptr + token * stride_xt + cols, mask=mask_k, other=0.0).to(tl.float32)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n[:, None], cols[None, :], k0,
-                          mask_n[:, None], mask_k[None, :], stride_qn, stride_sn, KIND,
-                          SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_K)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n, k0, mask_n, K, stride_qn, stride_sn,
+                          KIND, SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_N, BLOCK_K)
         acc += a[None, :] * w.to(dtype).to(tl.float32)
     y = tl.sum(acc, axis=1).to(dtype)
     if HAS_BIAS:

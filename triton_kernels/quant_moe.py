@@ -56,12 +56,12 @@ def _qmoe_gemm1_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b13_ptr, act_ptr, sort
         mask_k = cols < K
         a = tl.load(x_ptr + token[:, None] * stride_xt + cols[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        gate = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n[None, :], cols[:, None], k0,
-                             mask_n[None, :], mask_k[:, None], stride_qn, stride_sn, KIND,
-                             SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_K)
-        up = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, N + offs_n[None, :], cols[:, None], k0,
-                           mask_n[None, :], mask_k[:, None], stride_qn, stride_sn, KIND,
-                           SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_K)
+        gate = tl.trans(_dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n, k0, mask_n, K,
+                                      stride_qn, stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO,
+                                      SCALE_BF16, BLOCK_N, BLOCK_K))
+        up = tl.trans(_dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, N + offs_n, k0, mask_n, K,
+                                    stride_qn, stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO,
+                                    SCALE_BF16, BLOCK_N, BLOCK_K))
         acc_gate = tl.dot(a, gate.to(dtype), acc=acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, up.to(dtype), acc=acc_up, input_precision=DOT_PRECISION)
     gate = acc_gate.to(dtype)
@@ -106,9 +106,9 @@ def _qmoe_gemm2_kernel(act_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b2_ptr, out_ptr, sor
         mask_k = cols < K
         a = tl.load(act_ptr + offs_m.to(tl.int64)[:, None] * stride_at + cols[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n[None, :], cols[:, None], k0,
-                          mask_n[None, :], mask_k[:, None], stride_qn, stride_sn, KIND,
-                          SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_K)
+        w = tl.trans(_dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n, k0, mask_n, K, stride_qn,
+                                   stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16,
+                                   BLOCK_N, BLOCK_K))
         acc = tl.dot(a, w.to(dtype), acc=acc, input_precision=DOT_PRECISION)
     route_w = tl.load(topk_w_ptr + pair, mask=mask_m, other=0.0).to(dtype)
     y = acc.to(dtype)
@@ -145,12 +145,12 @@ def _qmoe_gemv1_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b13_ptr, act_ptr, ids_
         cols = k0 + offs_k
         mask_k = cols < K
         a = tl.load(x_ptr + token * stride_xt + cols, mask=mask_k, other=0.0).to(tl.float32)
-        gate = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n[:, None], cols[None, :], k0,
-                             mask_n[:, None], mask_k[None, :], stride_qn, stride_sn, KIND,
-                             SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_K)
-        up = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, N + offs_n[:, None], cols[None, :], k0,
-                           mask_n[:, None], mask_k[None, :], stride_qn, stride_sn, KIND,
-                           SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_K)
+        gate = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_n, k0, mask_n, K, stride_qn,
+                             stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_N,
+                             BLOCK_K)
+        up = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, N + offs_n, k0, mask_n, K, stride_qn,
+                           stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16, BLOCK_N,
+                           BLOCK_K)
         acc_gate += a[None, :] * gate.to(dtype).to(tl.float32)
         acc_up += a[None, :] * up.to(dtype).to(tl.float32)
     gate = tl.sum(acc_gate, axis=1).to(dtype)
@@ -190,10 +190,9 @@ def _qmoe_gemv2_kernel(act_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b2_ptr, out_ptr, ids
             mask_k = cols < K
             a = tl.load(a_ptrs + k0, mask=mask_k, other=0.0).to(tl.float32)
             w = _dequant_tile(q_ptr + slot * stride_qs, s_ptr + slot * stride_ss,
-                              z_ptr + slot * stride_ss, g_ptr + slot * stride_gs, offs_n[:, None],
-                              cols[None, :], k0, mask_n[:, None], mask_k[None, :], stride_qn,
-                              stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO, SCALE_BF16,
-                              BLOCK_K)
+                              z_ptr + slot * stride_ss, g_ptr + slot * stride_gs, offs_n, k0,
+                              mask_n, K, stride_qn, stride_sn, KIND, SCALE_ROWS, GROUP_K, HAS_ZERO,
+                              SCALE_BF16, BLOCK_N, BLOCK_K)
             acc += a[None, :] * w.to(dtype).to(tl.float32)
         route_w = tl.load(topk_w_ptr + pair).to(dtype)
         y = tl.sum(acc, axis=1).to(dtype)
