@@ -29,3 +29,22 @@ def kernel_device():
     finally:
         tk.set_fixed_configs(False)
         torch.set_default_device("cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from a second thread, and on a shared 2-core machine a busy
+    core turns every parallel region into a spin-wait (tests ran 30x slower). Modules that
+    run whole models use it: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def no_saved_profiles(tmp_path_factory):
+    """No `ft bench bw` profile of this machine is read: hybrid's measured K calibrates."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("ftcache")))
+        yield

@@ -28,20 +28,7 @@ PARAMS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
 CHUNK = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_saved_profiles(tmp_path_factory):
-    """No `ft bench bw` profile of this machine: hybrid's measured K calibrates."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("ftcache")))
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread", "no_saved_profiles")
 
 
 @pytest.fixture(scope="module")

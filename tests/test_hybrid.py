@@ -21,13 +21,7 @@ HYBRID = [("qwen3_next", "gqa_linear2x"), ("qwen3_5_moe", "split_proj")]
 IDS = [f for f, _ in HYBRID]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from threads on a shared 2-core machine.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -48,22 +48,7 @@ PROMPTS = [[5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2], [1, 2, 3],
 PARAMS = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread, and on a shared 2-core machine a busy
-    core turns every parallel region into a spin-wait (tests ran 30x slower)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_saved_profiles(tmp_path_factory):
-    """No `ft bench bw` profile of this machine: the measured-K case calibrates."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("ftcache")))
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread", "no_saved_profiles")
 
 
 @pytest.fixture(scope="module")

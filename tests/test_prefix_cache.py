@@ -23,12 +23,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 BASE = [(7 * i + 3) % 300 for i in range(64)]      # 4 blocks of 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +232,6 @@ def _trace(seed: int, steps: int = 400):
         assert all(alloc.refcount(b) == n for b, n in refs.items())
         assert alloc.num_used == len(refs)
     return alloc, sched
-
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -44,19 +44,7 @@ BACKENDS = [("offload-min", dict(moe_backend="offload", moe_cache_size="min")),
                                         moe_cpu_layers=1))]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_saved_profiles(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FREETOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("ftcache")))
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread", "no_saved_profiles")
 
 
 def tiny(out, family, quant, seed=0, **shape):

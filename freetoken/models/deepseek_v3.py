@@ -13,10 +13,9 @@ import dataclasses
 
 from freetoken.models.config import ConfigReader, ModelConfig, ModelConfigError
 from freetoken.models.key_map import KeyMap
-from freetoken.models.layers import (DecoderLayer, DenseMLP, ExpertBank, MlaAttention, MlaConfig,
-                                     MoeForCausalLM, Router, RouterConfig, SparseMoeBlock)
+from freetoken.models.glm4_moe import grouped_sigmoid_moe, skip_mtp_layers
+from freetoken.models.layers import DecoderLayer, DenseMLP, MlaAttention, MlaConfig, MoeForCausalLM
 from freetoken.models.rope import softmax_mscale
-from freetoken.moe.layout import ExpertLayout
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -76,24 +75,13 @@ def make_layer(cfg: DeepseekV3Config, i: int, rope) -> DecoderLayer:
         cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank,
         cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, bias=cfg.attention_bias,
         rope_interleaved=cfg.rope_interleave, softmax_mscale=softmax_mscale(cfg.rope)), i, rope)
-    if i not in cfg.sparse_layers:
-        return DecoderLayer(attn, DenseMLP(cfg.hidden_size, cfg.intermediate_size),
-                            cfg.hidden_size, cfg.rms_norm_eps)
-    gate = Router(cfg.hidden_size, RouterConfig(
-        cfg.num_experts, cfg.num_experts_per_tok, scoring="sigmoid", selection_bias=True,
-        renormalize=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        scale=cfg.routed_scaling_factor, float32=True))
-    experts = ExpertBank(cfg.num_experts, ExpertLayout(cfg.hidden_size, cfg.moe_intermediate_size,
-                                                       gate.weight.dtype))
-    width = cfg.moe_intermediate_size * cfg.n_shared_experts
-    shared = DenseMLP(cfg.hidden_size, width) if width else None
-    return DecoderLayer(attn, SparseMoeBlock(gate, experts, shared), cfg.hidden_size,
-                        cfg.rms_norm_eps)
+    mlp = (grouped_sigmoid_moe(cfg) if i in cfg.sparse_layers
+           else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
+    return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
 
 
 def KEY_MAP(cfg: DeepseekV3Config) -> KeyMap:
-    mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_mtp_layers)
-    return KeyMap(skip=tuple(rf"^model\.layers\.{j}\." for j in mtp))
+    return skip_mtp_layers(cfg.num_hidden_layers, cfg.num_mtp_layers)
 
 
 class DeepseekV3ForCausalLM(MoeForCausalLM):

@@ -52,9 +52,15 @@ def make_layer(cfg: Glm4MoeConfig, i: int, rope) -> DecoderLayer:
         cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
         cfg.rms_norm_eps, qkv_bias=cfg.attention_bias,
         qk_norm="head" if cfg.use_qk_norm else None), i, rope)
-    if i < cfg.first_k_dense_replace:
-        return DecoderLayer(attn, DenseMLP(cfg.hidden_size, cfg.intermediate_size),
-                            cfg.hidden_size, cfg.rms_norm_eps)
+    mlp = (grouped_sigmoid_moe(cfg) if i >= cfg.first_k_dense_replace
+           else DenseMLP(cfg.hidden_size, cfg.intermediate_size))
+    return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def grouped_sigmoid_moe(cfg) -> SparseMoeBlock:
+    """DeepSeek-V3's routed block, which GLM-4.5 shares (deepseek_v3.py uses it too): sigmoid
+    scores with a selection bias, group-limited top-k, routed_scaling_factor, and
+    n_shared_experts shared experts fused into one MLP."""
     gate = Router(cfg.hidden_size, RouterConfig(
         cfg.num_experts, cfg.num_experts_per_tok, scoring="sigmoid", selection_bias=True,
         renormalize=cfg.norm_topk_prob, n_group=cfg.n_group, topk_group=cfg.topk_group,
@@ -63,13 +69,17 @@ def make_layer(cfg: Glm4MoeConfig, i: int, rope) -> DecoderLayer:
                                                        gate.weight.dtype))
     width = cfg.moe_intermediate_size * cfg.n_shared_experts
     shared = DenseMLP(cfg.hidden_size, width) if width else None
-    return DecoderLayer(attn, SparseMoeBlock(gate, experts, shared), cfg.hidden_size,
-                        cfg.rms_norm_eps)
+    return SparseMoeBlock(gate, experts, shared)
+
+
+def skip_mtp_layers(num_layers: int, num_mtp: int) -> KeyMap:
+    """The multi-token-prediction layers stored after the last decoder layer
+    (model.layers.{num_layers}..): weights for speculative decoding, skipped knowingly."""
+    return KeyMap(skip=tuple(rf"^model\.layers\.{j}\." for j in range(num_layers, num_layers + num_mtp)))
 
 
 def KEY_MAP(cfg: Glm4MoeConfig) -> KeyMap:
-    mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-    return KeyMap(skip=tuple(rf"^model\.layers\.{j}\." for j in mtp))
+    return skip_mtp_layers(cfg.num_hidden_layers, cfg.num_nextn_predict_layers)
 
 
 class Glm4MoeForCausalLM(MoeForCausalLM):

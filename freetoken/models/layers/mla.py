@@ -24,7 +24,6 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 import triton_kernels as tk
 from freetoken.engine.batch import ForwardBatch
@@ -197,6 +196,8 @@ class MlaAttention(nn.Module):
         v = kv[..., c.qk_nope_head_dim:]                                  # [ctx, H, V]
         # Query i (position ctx-n+i) sees keys 0..ctx-n+i: causal aligned to the lower right,
         # which SDPA's fused kernels take without an [n, ctx] mask in memory.
+        # (Imported here: torch.nn.attention.bias pulls in torch._dynamo, 2 s of every start.)
+        from torch.nn.attention.bias import causal_lower_right
         mask = causal_lower_right(n, ctx)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=mask,
