@@ -283,7 +283,7 @@ def main(argv=None) -> int:
                 ratios.append(_fmt([statistics.median(ft[f]) / statistics.median(o)]))
         print(f"ft/{other}".ljust(18) + "".join(r.ljust(24) for r in ratios))
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     return 0
 
 
