@@ -88,6 +88,9 @@ def test_health_and_streams_answer_during_a_long_prefill(model_dir):
         prefill_s = time.perf_counter() - t0
         latencies = probe.stop()
         streamer.join(300)
+        _, report = server.request("GET", "/v1/instrumentation")
+    cost = report["scheduler"]["step_cost"]      # the fit the chunks were sized from
+    assert cost["steps_fitted"] > 0 and cost["per_token_s"] + cost["per_million_pairs_s"] > 0
     assert status == 200 and body["usage"]["prompt_tokens"] == LONG
     assert not probe.errors, probe.errors[:3]
     latencies.sort()

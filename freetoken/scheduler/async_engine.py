@@ -159,11 +159,10 @@ class AsyncEngine:
                     budget = self.core.scheduler.step_budget
                     if budget is not None and any(c.num_tokens > 1 for c in plan.scheduled):
                         # Only steps that carried a prefill chunk: what a chunk costs.
-                        tokens = sum(c.num_tokens for c in plan.scheduled)
-                        budget.observe(tokens, time.perf_counter() - t0)
-                        log.debug("step: %d tokens of %d requests in %.3f s; next chunk %d",
-                                  tokens, len(plan.scheduled), time.perf_counter() - t0,
-                                  budget.chunk)
+                        budget.observe(plan.scheduled, time.perf_counter() - t0)
+                        log.debug("step: %d tokens of %d requests in %.3f s",
+                                  sum(c.num_tokens for c in plan.scheduled),
+                                  len(plan.scheduled), time.perf_counter() - t0)
                 self.metrics.on_step(time.perf_counter() - t0)
             except Exception as e:   # noqa: BLE001 - one bad step must not kill the server
                 log.exception("engine step failed; failing the requests it carried")

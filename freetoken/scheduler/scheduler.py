@@ -2,8 +2,9 @@
 
 Running requests go first: decodes (one token each), then requests still in prefill (their
 next chunk), oldest first, so every step that carries a prefill chunk carries the running
-decodes too. The token budget is max_prefill_length, or the chunk a step time budget allows
-(step_budget.py). Then waiting requests are admitted in arrival order while the
+decodes too. The token budget is max_prefill_length; with a step time budget each prefill
+chunk is also cut to what the step's predicted time allows at its position (step_budget.py).
+Then waiting requests are admitted in arrival order while the
 budget, the running-request cap and free KV blocks allow. When a running request needs a KV
 block and none is free, the newest running request is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (prompt + output so far) later.
@@ -38,6 +39,10 @@ from freetoken.scheduler.step_budget import StepBudget
 class ScheduledChunk:
     request: Request
     num_tokens: int              # tokens of this request computed this step
+    start: int = dataclasses.field(init=False)   # its tokens already in the cache
+
+    def __post_init__(self):
+        self.start = self.request.num_computed_tokens
 
     @property
     def samples(self) -> bool:
@@ -78,8 +83,8 @@ class Scheduler:
 
     # -- one step's plan ------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
-        budget = (self.config.max_prefill_length if self.step_budget is None
-                  else self.step_budget.chunk)
+        budget = self.config.max_prefill_length
+        timed = self.step_budget.plan() if self.step_budget is not None else None
         scheduled: list[ScheduledChunk] = []
         preempted = False
         # Decodes first (one token each), so a long prefill never takes their place.
@@ -91,6 +96,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue   # preempted earlier in this loop
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if timed is not None and (n := timed.take(n, req.num_computed_tokens)) == 0:
+                continue
             if not self._reserve(req, req.num_computed_tokens + n):
                 preempted = True
                 continue
@@ -105,6 +112,8 @@ class Scheduler:
                 break      # its next blocks are being computed: take them from the cache soon
             start = req.num_computed_tokens + len(cached) * self.allocator.block_size
             n = min(req.num_tokens - start, budget)
+            if timed is not None and (n := timed.take(n, start)) == 0:
+                break
             need = self.allocator.blocks_for(start + n) - len(req.block_ids) - len(cached)
             if not self.allocator.can_allocate(need, reuse=cached):
                 break

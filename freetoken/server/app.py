@@ -260,9 +260,8 @@ class ServingApp:
             "state_slots": runner.kv.slots_report(),
             "scheduler": {"max_prefill_length": self.scheduler_config.max_prefill_length,
                           "max_step_time_s": self.scheduler_config.max_step_time_s,
-                          "prefill_chunk": (self.engine.core.scheduler.step_budget.chunk
-                                            if self.engine.core.scheduler.step_budget else
-                                            self.scheduler_config.max_prefill_length),
+                          "step_cost": (self.engine.core.scheduler.step_budget.describe()
+                                        if self.engine.core.scheduler.step_budget else None),
                           # resolved: a hybrid model lowers it to its state slots
                           "max_running_requests": self.engine.core.scheduler.config.max_running_requests},
             "prefix_cache": prefix_cache_report(self.engine.core, self.scheduler_config),
