@@ -90,3 +90,11 @@ def test_decodes_always_run_and_the_first_chunk_always_progresses():
     assert [plan.take(1, 5000) for _ in range(300)] == [1] * 300
     assert plan.take(4000, 0) == MIN_CHUNK                         # the floor, however late
     assert plan.take(4000, 0) == 0                                 # a second chunk waits
+
+
+def test_the_report_is_plain_json():
+    import orjson
+    b = StepBudget(0.4, 2048)
+    prefill(b, linear(0.02, 1e-4, 0.01), 3000)
+    report = orjson.loads(orjson.dumps(b.describe()))            # numpy scalars would raise
+    assert report["steps_fitted"] > 0 and report["fixed_s"] > 0

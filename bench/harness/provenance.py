@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Live counters and timings in /v1/instrumentation: they change while the configuration does not.
 VOLATILE_KEYS = {"free_blocks", "counters", "warmup", "uptime_s", "served_name", "path",
-                 "prefill_chunk"}
+                 "step_cost"}
 
 
 def version(package: str) -> str | None:

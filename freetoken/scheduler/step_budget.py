@@ -97,9 +97,9 @@ class StepBudget:
         y = np.array([t for _, _, t in self._seen])
         ns = x[:, 1]
         if ns.max() >= WIDE * ns.min():
-            a, b, c = nnls(x, y, [0, 1, 2])
+            a, b, c = (float(v) for v in nnls(x, y, [0, 1, 2]))
             self._a_wide = a
-            return float(a), float(b), float(c)
+            return a, b, c
         # Over a narrow spread the intercept is noise: keep the one a wide spread gave (0
         # before any), and fit the rest on what is left of each step's time.
         a = self._a_wide or 0.0
