@@ -5,6 +5,7 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py                                   # Qwen3-MoE-shaped, 1.4 GB bf16
     python bench/cpu.py --llama-bench /path/llama-bench   # + llama.cpp on a GGUF of them
     python bench/cpu.py --quick                           # a small shape, seconds
+    python bench/cpu.py --quant fp8,nvfp4,int4 --llama-quant q8_0   # + quantized arms
 
 The checkpoint (tools/make_tiny_model.py's generator, random weights: hidden 1024, 12 layers,
 16/4 heads of 64, 64 experts, top-8, expert width 256, vocab 32768) is built on the spot.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,10 +88,9 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 class FreeTokenArm:
-    name = "freetoken"
-
-    def __init__(self, model_dir, dtype, vocab, **kw):
+    def __init__(self, model_dir, dtype, vocab, name="freetoken", **kw):
         from freetoken import LLM, SamplingParams
+        self.name = name
         self.sp = SamplingParams
         self.vocab = vocab
         self.llm = LLM(str(model_dir), device="cpu", dtype=dtype, skip_tokenizer_init=True,
@@ -223,6 +224,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--llama-bench", type=Path, help="a llama-bench binary: adds llama.cpp")
     p.add_argument("--llama-convert", type=Path, help="convert_hf_to_gguf.py (default: above the binary)")
+    p.add_argument("--quant", default="", help="comma-separated make_tiny_model --quant formats: "
+                   "a FreeToken arm each (qwen3_moe: fp8, fp8-channel, nvfp4, int4, int4-awq)")
+    p.add_argument("--llama-quant", default="", help="comma-separated GGUF types for llama.cpp "
+                   "arms beside --dtype's (the converter's --outtype: q8_0)")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
@@ -232,12 +237,21 @@ def main(argv=None) -> int:
     from freetoken.demo.tiny_model import make_tiny_model
 
     report = {"conditions": {**vars(args), "shape": shape, "decode_tokens": tokens}}
+    quants = [q for q in args.quant.split(",") if q]
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         model_dir = Path(tmp) / "model"
         make_tiny_model(model_dir, family="qwen3_moe", seed=0, dtype=args.dtype, **shape)
         active, total = active_bytes_per_token(model_dir, args.dtype)
         report.update(active_bytes_per_token=active, weight_bytes=total)
+        actives = {"freetoken": active}
         arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"])]
+        for q in quants:
+            from freetoken.models.quant.encode import quantize_checkpoint
+            qdir = Path(tmp) / f"model-{q}"
+            shutil.copytree(model_dir, qdir)
+            quantize_checkpoint(qdir, q)
+            actives[f"freetoken-{q}"] = active_bytes_per_token(qdir, args.dtype)[0]
+            arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"], name=f"freetoken-{q}"))
         if not args.skip_transformers:
             arms.append(TransformersArm(model_dir, args.dtype, shape["vocab_size"]))
         figures = [f"decode_b{b}" for b in BATCHES] + ["prefill"]
@@ -255,21 +269,30 @@ def main(argv=None) -> int:
         del arms
         if args.llama_bench:
             convert = args.llama_convert or _find_convert(args.llama_bench)
-            gguf = gguf_of(model_dir, convert, {"bfloat16": "bf16", "float32": "f32"}[args.dtype],
-                           Path(tmp) / "model.gguf")
-            res["llama.cpp"] = llama_cpp(args.llama_bench, gguf, args.threads, tokens, args.rounds)
+            base = {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
+            for outtype in [base] + [t for t in args.llama_quant.split(",") if t]:
+                name = "llama.cpp" if outtype == base else f"llama.cpp-{outtype}"
+                gguf = gguf_of(model_dir, convert, outtype, Path(tmp) / f"model-{outtype}.gguf")
+                res[name] = llama_cpp(args.llama_bench, gguf, args.threads, tokens, args.rounds)
+    report.update(active_bytes_per_arm=actives)
     report.update(dram_read_gbps=dram, results=res)
 
     bw = statistics.median(dram)
     print(f"weights {total / 1e9:.2f} GB ({args.dtype}), active per token {active / 1e9:.3f} GB; "
           f"DRAM read {_fmt(dram)} GB/s with {args.threads} threads; {tokens} decode tokens, "
           f"{args.rounds} rounds (median [min-max])")
-    print("tok/s".ljust(18) + "".join(f.ljust(24) for f in figures) + "b1 roofline")
+    width = max(len(n) for n in res) + 6
+    print("tok/s".ljust(width) + "".join(f.ljust(24) for f in figures) + "b1 roofline")
     for name, r in res.items():
         b1 = r.get("decode_b1") or []
         b1 = [v for v in b1 if v == v]
-        roof = f"{statistics.median(b1) * active / 1e9 / bw:.0%}" if b1 else "-"
-        print(name.ljust(18) + "".join(_fmt(r.get(f)).ljust(24) for f in figures) + roof)
+        nbytes = actives.get(name, active)       # llama.cpp's quantized arms: not counted
+        roof = (f"{statistics.median(b1) * nbytes / 1e9 / bw:.0%}"
+                if b1 and (name in actives or "-" not in name) else "-")
+        print(name.ljust(width) + "".join(_fmt(r.get(f)).ljust(24) for f in figures) + roof)
+    for name in actives:
+        if name != "freetoken":
+            print(f"{name}: {actives[name] / 1e9:.3f} GB active per token")
     ft = res["freetoken"]
     for other in [n for n in res if n != "freetoken"]:
         ratios = []
@@ -281,7 +304,7 @@ def main(argv=None) -> int:
                 ratios.append(_fmt([a / b for a, b in zip(ft[f], o)]))
             else:
                 ratios.append(_fmt([statistics.median(ft[f]) / statistics.median(o)]))
-        print(f"ft/{other}".ljust(18) + "".join(r.ljust(24) for r in ratios))
+        print(f"ft/{other}".ljust(width) + "".join(r.ljust(24) for r in ratios))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     return 0

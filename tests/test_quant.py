@@ -30,10 +30,12 @@ BLOCK = (16, 32)                      # fp8 block: ragged against I = 24 and the
 PROMPT = [5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2]
 PARAMS = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
 METHOD = {"fp8": "fp8", "fp8-tensor": "compressed-tensors", "fp8-channel": "compressed-tensors",
+          "fp8-block-ct": "compressed-tensors", "fp8-modelopt": "modelopt",
           "nvfp4": "compressed-tensors", "nvfp4-modelopt": "modelopt", "int4": "compressed-tensors",
           "int4-asym": "compressed-tensors", "int4-awq": "awq"}
 # (quant, family): every on-disk layout FreeToken reads, gpt-oss' MXFP4 on gpt_oss.
-CASES = [("fp8", "qwen3_moe"), ("fp8-tensor", "qwen3_moe"), ("nvfp4", "qwen3_moe"),
+CASES = [("fp8", "qwen3_moe"), ("fp8-tensor", "qwen3_moe"), ("fp8-block-ct", "qwen3_moe"),
+         ("fp8-modelopt", "qwen3_moe"), ("nvfp4", "qwen3_moe"),
          ("nvfp4-modelopt", "qwen3_moe"), ("int4", "qwen3_moe"), ("int4-awq", "qwen3_moe"),
          ("mxfp4", "gpt_oss")]
 BACKENDS = [("offload-min", dict(moe_backend="offload", moe_cache_size="min")),
@@ -66,13 +68,14 @@ def rel_err(a, b):
 
 def expected_expert_bytes(quant, d, i):
     """One expert's bytes, counted from the format (not from the layout under test)."""
-    if quant == "fp8":
-        ip = 32                                     # I = 24 padded to lcm(16, 32)
+    if quant in ("fp8", "fp8-block-ct"):
+        ip = 32                                     # fp8: I = 24 padded to lcm(16, 32)
         bn, bk = BLOCK
         scales = 2 * ip // bn * math.ceil(d / bk) + math.ceil(d / bn) * ip // bk
         return 3 * ip * d + 4 * scales
     n = 3 * i * d                                   # weights of w13 [2I, D] and w2 [D, I]
     return {"fp8-tensor": n + 4 * (2 * i + d),      # kept per channel: a scale per row
+            "fp8-modelopt": n + 4 * (2 * i + d),
             "mxfp4": n // 2 + n // 32 + 4 * (2 * i + d),   # + float32 biases
             "nvfp4": n // 2 + n // 16 + 2 * 4, "nvfp4-modelopt": n // 2 + n // 16 + 2 * 4,
             "int4": n // 2 + 4 * n // 32, "int4-awq": n // 2 + 2 * n // 32 + n // 32}[quant]
@@ -165,9 +168,9 @@ def test_on_disk_layouts_round_trip(quant):
                                else back[name], c[name].view(torch.uint8)
                                if c[name].dtype.itemsize == 1 else c[name]), name
     deq = dequantize_reference(fmt, back)
-    tol = {"fp8": 0.04, "fp8-tensor": 0.04, "fp8-channel": 0.04}.get(quant, 0.2)
+    tol = 0.04 if quant.startswith("fp8") else 0.2
     assert ((deq - w).norm() / w.norm()).item() < tol
-    if quant not in ("fp8-tensor", "fp8-channel"):
+    if quant not in ("fp8-tensor", "fp8-channel", "fp8-modelopt"):     # one scale per tensor/row
         s = c["s"].float() if c["s"].dtype != torch.uint8 else torch.exp2(c["s"].float() - 127)
         assert (s.max() / s.min()).item() > 4
 

@@ -29,6 +29,7 @@ from triton_kernels.mla_attention import (mla_attention, mla_attention_reference
 from triton_kernels.dequant import (QuantFormat, dequantize_reference, fused_moe_quant,
                                     fused_moe_quant_reference, quant_linear,
                                     quant_linear_reference)
+from triton_kernels.dequant_cpu import fused_moe_quant_cpu, quant_linear_cpu
 
 __all__ = [
     "set_backend", "get_backend", "set_fixed_configs",
@@ -45,5 +46,5 @@ __all__ = [
     "causal_conv1d", "causal_conv1d_reference",
     "mla_attention", "mla_attention_reference", "write_latent", "write_latent_reference",
     "QuantFormat", "dequantize_reference", "quant_linear", "quant_linear_reference",
-    "fused_moe_quant", "fused_moe_quant_reference",
+    "fused_moe_quant", "fused_moe_quant_reference", "fused_moe_quant_cpu", "quant_linear_cpu",
 ]

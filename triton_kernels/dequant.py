@@ -399,7 +399,8 @@ def quant_linear(x: torch.Tensor, fmt: QuantFormat, w: dict,
     if use_triton(x):
         from triton_kernels.quant_matmul import quant_linear_triton
         return quant_linear_triton(x, fmt, w, bias)
-    return quant_linear_reference(x, fmt, w, bias)
+    from triton_kernels.dequant_cpu import quant_linear_cpu
+    return quant_linear_cpu(x, fmt, w, bias)
 
 
 def fused_moe_quant(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None,
@@ -410,6 +411,7 @@ def fused_moe_quant(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, *, b
         from triton_kernels.quant_moe import fused_moe_quant_triton
         op = fused_moe_quant_triton
     else:
-        op = fused_moe_quant_reference
+        from triton_kernels.dequant_cpu import fused_moe_quant_cpu
+        op = fused_moe_quant_cpu
     return op(x, fmt, w13, w2, topk_weights, topk_ids, slot_map, b13=b13, b2=b2,
               activation=activation)

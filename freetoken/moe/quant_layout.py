@@ -99,8 +99,9 @@ class QuantExpertLayout(ExpertLayout):
                                   topk_weights, topk_ids, slot_map, **self.kernel_kwargs(bank))
 
     def run_reference(self, x, bank, topk_weights, topk_ids, slot_map=None):
-        """One expert's tiles dequantized at a time, never the whole bank (the CPU experts)."""
-        return tk.fused_moe_quant_reference(
+        """The CPU experts: one routed expert decoded at a time, a tile of rows at a time,
+        never the whole bank (triton_kernels/dequant_cpu.py)."""
+        return tk.fused_moe_quant_cpu(
             x, self.fmt, self.weights(bank, "w13"), self.weights(bank, "w2"), topk_weights,
             topk_ids, slot_map, **self.kernel_kwargs(bank))
 

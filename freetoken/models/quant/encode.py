@@ -7,6 +7,8 @@ config's ignore list. QUANTS names what it writes:
     fp8             quant_method fp8, weight + weight_scale_inv per [bn, bk] block (Qwen3-FP8, DeepSeek-V3)
     fp8-tensor      compressed-tensors float-quantized, per-tensor weight_scale
     fp8-channel     compressed-tensors float-quantized, per-channel weight_scale [N, 1]
+    fp8-block-ct    compressed-tensors float-quantized, strategy block: weight_scale per [bn, bk]
+    fp8-modelopt    ModelOpt FP8 (weight, scalar weight_scale and input_scale; hf_quant_config.json)
     mxfp4           gpt-oss: experts as gate_up_proj_blocks/_scales, down_proj_blocks/_scales
     nvfp4           compressed-tensors nvfp4-pack-quantized (weight_packed, weight_scale, weight_global_scale)
     nvfp4-modelopt  ModelOpt NVFP4 (weight, weight_scale, weight_scale_2; hf_quant_config.json)
@@ -29,7 +31,7 @@ from freetoken.models.quant.convert import AWQ_ORDER
 from freetoken.models.quant.quantize import quantize_weight, skew_blocks
 from triton_kernels.dequant import QuantFormat
 
-QUANTS = ("fp8", "fp8-tensor", "fp8-channel", "mxfp4", "nvfp4", "nvfp4-modelopt", "int4",
+QUANTS = ("fp8", "fp8-tensor", "fp8-channel", "fp8-block-ct", "fp8-modelopt", "mxfp4", "nvfp4", "nvfp4-modelopt", "int4",
           "int4-asym", "int4-awq")
 # Linear projections that are quantized; routers (`mlp.gate`, `mlp.router`), the shared
 # expert's gate, embeddings and lm_head are not.
@@ -43,6 +45,8 @@ IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*mlp\\.router$", "re:.*shared_expe
 def quant_format(quant: str, block=(128, 128), group: int = 32) -> QuantFormat:
     return {"fp8": QuantFormat("fp8_block", block=tuple(block)), "fp8-tensor": QuantFormat("fp8_tensor"),
             "fp8-channel": QuantFormat("fp8_channel"), "mxfp4": QuantFormat("mxfp4"),
+            "fp8-block-ct": QuantFormat("fp8_block", block=tuple(block)),
+            "fp8-modelopt": QuantFormat("fp8_tensor"),
             "nvfp4": QuantFormat("nvfp4"), "nvfp4-modelopt": QuantFormat("nvfp4"),
             "int4": QuantFormat("int4", group=group, symmetric=True),
             "int4-asym": QuantFormat("int4", group=group, symmetric=False),
@@ -66,6 +70,10 @@ def encode(quant: str, fmt: QuantFormat, c: dict[str, torch.Tensor], shape) -> d
     n, k = shape
     if quant == "fp8":
         return {"weight": c["q"], "weight_scale_inv": c["s"]}
+    if quant == "fp8-block-ct":
+        return {"weight": c["q"], "weight_scale": c["s"]}
+    if quant == "fp8-modelopt":
+        return {"weight": c["q"], "weight_scale": c["s"].reshape(()), "input_scale": torch.ones(())}
     if quant in ("fp8-tensor", "fp8-channel"):
         return {"weight": c["q"], "weight_scale": c["s"] if quant == "fp8-tensor" else c["s"][:, None]}
     if quant == "nvfp4":
@@ -99,11 +107,16 @@ def quant_config(quant: str, fmt: QuantFormat) -> dict:
     if quant == "nvfp4-modelopt":
         return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
                 "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
+    if quant == "fp8-modelopt":
+        return {"quant_method": "modelopt", "quant_algo": "FP8",
+                "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
     if quant == "int4-awq":
         return {"quant_method": "awq", "bits": 4, "group_size": fmt.group, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
     weights = {"fp8-tensor": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
                "fp8-channel": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+               "fp8-block-ct": {"num_bits": 8, "type": "float", "strategy": "block",
+                                "block_structure": list(fmt.block), "symmetric": True},
                "nvfp4": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
                          "symmetric": True},
                "int4": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": fmt.group,
@@ -162,7 +175,7 @@ def quantize_checkpoint(model_dir, quant: str, block=(128, 128), group: int = 32
         index.write_text(json.dumps(meta, indent=2) + "\n")
     cfg["quantization_config"] = quant_config(quant, fmt)
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-    if quant == "nvfp4-modelopt":
+    if quant in ("nvfp4-modelopt", "fp8-modelopt"):
         (model_dir / "hf_quant_config.json").write_text(json.dumps(
             {"producer": {"name": "modelopt"}, "quantization": {
                 k: v for k, v in cfg["quantization_config"].items() if k != "quant_method"}}, indent=2) + "\n")

@@ -1,0 +1,96 @@
+"""The CPU experts' decode (triton_kernels/dequant_cpu.py) equals dequantize_reference bit for
+bit in every compute dtype and format, ragged fp8 blocks included (4-bit formats decode in
+split column order, evens then odds); fused_moe_quant_cpu equals fused_moe_quant_reference
+with its buffers reused across experts and calls (bit for bit for fp8; for 4-bit formats the
+matmul sums the columns in another order)."""
+
+import pytest
+import torch
+
+from test_kernels import assert_close
+from test_kernels_dequant import FORMATS, random_weight
+from triton_kernels.dequant import QuantFormat, dequantize_reference, fused_moe_quant_reference
+from triton_kernels.dequant_cpu import Decoder, fused_moe_quant_cpu
+from triton_kernels.fused_moe import SILU, SWIGLU_OAI
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ALL = dict(FORMATS, fp8_block_ragged=QuantFormat("fp8_block", block=(16, 48)),
+           int4_bf16=QuantFormat("int4", group=32))
+
+
+def _weight(name, lead, n, k):
+    w = random_weight(ALL[name], lead, n, k)
+    if name == "int4_bf16":
+        w["s"] = w["s"].to(torch.bfloat16)
+    return w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("name", list(ALL))
+def test_decode_equals_the_reference_bit_for_bit(name, dtype):
+    torch.manual_seed(3)
+    dec = Decoder(ALL[name], dtype)
+
+    def split(want):
+        return torch.cat([want[:, 0::2], want[:, 1::2]], dim=1) if dec.fmt.packed else want
+
+    k = 100 if name.endswith("ragged") else 192          # ragged: K % 48 != 0
+    for n in (64, 40):                                 # a second shape: a buffer of its own
+        w = _weight(name, (), n, k)
+        got = dec.decode(w)
+        want = split(dequantize_reference(ALL[name], w, dtype))
+        assert got.dtype == dtype and torch.equal(got, want), name
+    again = dec.decode(w)                              # the same buffer, rewritten
+    assert again.data_ptr() == got.data_ptr() and torch.equal(again, want)
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "mxfp4", "nvfp4", "int4", "int4_sym"])
+def test_fused_moe_quant_cpu_equals_the_reference(name):
+    torch.manual_seed(4)
+    fmt = ALL[name]
+    t, d, inter, e, k, pool = 7, 64, 64, 6, 2, 9
+    w13, w2 = _weight(name, (pool,), 2 * inter, d), _weight(name, (pool,), d, inter)
+    dec = Decoder(fmt, torch.bfloat16)
+    for act in (SILU, SWIGLU_OAI):
+        x = torch.randn(t, d).bfloat16()
+        weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k, dim=-1)
+        slot_map = torch.randperm(pool)[:e]
+        kw = dict(b13=torch.randn(pool, 2 * inter).bfloat16(),
+                  b2=torch.randn(pool, d).bfloat16(), activation=act)
+        got = fused_moe_quant_cpu(x, fmt, w13, w2, weights, ids, slot_map, decoder=dec, **kw)
+        want = fused_moe_quant_reference(x, fmt, w13, w2, weights, ids, slot_map, **kw)
+        if fmt.packed:
+            assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, what=name)
+        else:
+            assert torch.equal(got, want), f"{name} {act.kind}"
+
+
+def test_large_scales_do_not_overflow_the_folded_power_of_two():
+    # The decode leaves e4m3 values / 2^120 and e2m1 values / 2^126 and folds the power into
+    # the scale: a scale of 1000 (fp8) or e4m3's largest, 448 (nvfp4), must not overflow.
+    torch.manual_seed(5)
+    for fmt, big in ((QuantFormat("fp8_channel"), 1000.0), (QuantFormat("nvfp4"), 448.0)):
+        w = random_weight(fmt, (), 32, 64)
+        w["s"] = torch.full_like(w["s"], big, dtype=torch.float32).to(w["s"].dtype)
+        for dtype in DTYPES:
+            want = dequantize_reference(fmt, w, dtype)
+            got = Decoder(fmt, dtype).decode(w)
+            if fmt.packed:
+                want = torch.cat([want[:, 0::2], want[:, 1::2]], dim=1)
+            assert torch.equal(got, want) and torch.isfinite(want).all(), (fmt.kind, dtype)
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "fp8_channel", "nvfp4", "int4"])
+def test_linear_in_row_tiles_equals_one_piece(name, monkeypatch):
+    # Weights larger than a tile are decoded a tile of whole rows (whole scale blocks) at a
+    # time: 40 rows of 192 columns in tiles of 16 rows, a ragged last tile.
+    import triton_kernels.dequant_cpu as dc
+    torch.manual_seed(6)
+    w = _weight(name, (), 40, 192)
+    x = torch.randn(3, 192)
+    whole = Decoder(ALL[name], torch.float32).linear(x, w)
+    monkeypatch.setattr(dc, "TILE_ELEMENTS", 16 * 192)
+    tiled = Decoder(ALL[name], torch.float32).linear(x, w)
+    assert torch.equal(tiled, whole)
+    want = x @ dequantize_reference(ALL[name], w).T
+    assert_close(tiled, want, atol=1e-5, rtol=1e-5, what=name)

@@ -1,0 +1,184 @@
+"""Quantized weights decoded on the CPU: an expert at a time into one reused buffer.
+
+dequant.dequantize_reference decodes in float32 with each scale spread to [N, K] first
+(repeat_interleave): ~20 bytes of memory traffic per weight, fine for an oracle and 13-25x
+slower than a bf16 expert when the CPU experts ran on it. Here a weight [N, K] is decoded
+straight into `out` [N, K] (the compute dtype, a buffer the caller reuses across experts) in
+2-4 passes that broadcast the scales as views:
+
+    fp8_*  out <- q (e4m3 is exact in bf16/f16/f32);  out *= s        (block / row / tensor)
+    mxfp4  out <- PAIRS[q] (a byte's two e2m1 values); out *= 2^(s-127) per 32 columns
+    nvfp4  out <- PAIRS[q];  out *= s per 16 columns;  out *= g
+    int4   out <- NIBBLES[q] (a byte's two nibbles);  out -= z (or 8) per group;  out *= s
+
+An in-place multiply of a bf16 tensor by a float32 scale computes in float32 and rounds once,
+and every value before it is exact in the compute dtype (e2m1 x e4m3 has 7 significant bits),
+so the result equals the reference bit for bit. Ragged fp8 blocks (K % bk != 0; experts pad
+their rows) take the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from triton_kernels.dequant import (QuantFormat, _check_linear, _check_moe, _expert,
+                                    dequantize_reference, e8m0_to_float, weight_shape)
+from triton_kernels.fused_moe import SILU, MoeActivation, _activate
+
+
+F32_E4M3 = 2.0 ** 120     # an e4m3 byte's bits moved into float32's give its value / 2^120
+F32_E2M1 = 2.0 ** 126     # an e2m1 nibble's bits there give its value / 2^126
+SIGN_E4M3 = -0x78100000   # 0x87F00000 as int32: the sign and e4m3's seven bits at 20-26
+SIGN_E2M1 = -0x7E400000   # 0x81C00000: the sign and e2m1's three bits at 22-24
+#   (a nibble at bits 28-31 shifted right by 6, arithmetically: the sign stays at 31)
+
+
+TILE_ELEMENTS = 1 << 20   # weights decoded at a time: 4 MB of int32 bits + the output tile
+
+
+class Decoder:
+    """Decodes weights of one format into reused buffers, in one compute dtype: one per
+    call of the CPU experts or a dense layer, its buffers reused across the tiles and experts
+    of that call.
+
+    Every pass is one of torch's vectorized CPU loops: 8-bit to int32 copies, int32 shifts
+    and masks, float32 multiplies, the float32 to bf16 copy (8-bit to float conversions and
+    mixed-dtype multiplies are scalar loops on the CPU, ~30x slower). A byte's float32 bits
+    are built as the Triton kernels build them (dequant._e4m3_to_f32, _e2m1_to_f32): exact,
+    subnormals included; the power of two that leaves is folded into the scale multiply."""
+
+    def __init__(self, fmt: QuantFormat, dtype: torch.dtype):
+        self.fmt, self.dtype = fmt, dtype
+        self._bits: dict[tuple[int, int], torch.Tensor] = {}
+        self._out: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _buffers(self, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 [N, K] bits, whose float32 view is decoded in place; the [N, K] output in
+        self.dtype: the same memory when that is float32)."""
+        bits = self._bits.get((n, k))
+        if bits is None:
+            bits = self._bits[(n, k)] = torch.empty(n, k, dtype=torch.int32)
+            self._out[(n, k)] = (bits.view(torch.float32) if self.dtype == torch.float32
+                                 else torch.empty(n, k, dtype=self.dtype))
+        return bits, self._out[(n, k)]
+
+    def linear(self, x: torch.Tensor, w: dict) -> torch.Tensor:
+        """x [T, K] @ W^T -> [T, N], W decoded TILE_ELEMENTS at a time (whole rows, whole
+        scale blocks) into reused buffers that stay in the last-level cache."""
+        _, n, k = weight_shape(self.fmt, w)
+        if self.fmt.packed:                    # decode() leaves the columns split (lo | hi)
+            x = torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
+        step = self.fmt.block[0] if self.fmt.kind == "fp8_block" else 1
+        rows = max(step, TILE_ELEMENTS // k // step * step)
+        if rows >= n:
+            return F.linear(x, self.decode(w))
+        return torch.cat([F.linear(x, self.decode(_rows(self.fmt, w, r, min(r + rows, n))))
+                          for r in range(0, n, rows)], dim=1)
+
+    def decode(self, w: dict) -> torch.Tensor:
+        """One weight {"q": [N, ..], "s": ..} -> [N, K] in self.dtype, in a reused buffer
+        (valid until the next decode of that shape). Packed 4-bit formats come in split
+        column order: W[:, 0::2] then W[:, 1::2]."""
+        fmt = self.fmt
+        _, n, k = weight_shape(fmt, w)
+        bn, bk = fmt.block
+        if fmt.kind == "fp8_block" and (n % bn or k % bk):
+            return self._buffers(n, k)[1].copy_(dequantize_reference(fmt, w, self.dtype))
+        bits, out = self._buffers(n, k)
+        value = bits.view(torch.float32)
+        q, s = w["q"], w["s"]
+        if fmt.kind.startswith("fp8"):
+            bits.copy_(q.view(torch.int8))          # sign-extended: bit 7 fills 8-31
+            bits.bitwise_left_shift_(20).bitwise_and_(SIGN_E4M3)
+            scale = _folded(value, s, F32_E4M3)
+            if fmt.kind == "fp8_block":
+                value.view(n // bn, bn, k // bk, bk).mul_(scale[:, None, :, None])
+            else:
+                value.mul_(scale[:, None] if fmt.kind == "fp8_channel" else scale)
+        else:
+            # The low nibbles (elements 2j) to columns j, the high ones to K/2 + j: every pass
+            # contiguous (interleaving them is a strided, scalar copy). linear() permutes x
+            # to match; a scale group of g columns is g/2 in each half.
+            half = k // 2
+            bits[:, :half].copy_(q)
+            bits[:, :half].bitwise_left_shift_(4)
+            bits[:, half:].copy_(q)
+            bits.bitwise_left_shift_(24)               # the nibble at bits 28-31
+            g = fmt.group_k
+            grouped = value.view(n, 2, k // g, g // 2)
+            if fmt.kind == "int4":
+                bits.bitwise_right_shift_(28).bitwise_and_(15)   # 0..15
+                value.copy_(bits)
+                zero = w["z"][:, None, :, None].float() if "z" in w else 8.0
+                grouped.sub_(zero).mul_(s.float()[:, None, :, None])
+            else:
+                bits.bitwise_right_shift_(6).bitwise_and_(SIGN_E2M1)
+                if fmt.kind == "mxfp4":
+                    grouped.mul_(_folded(value, e8m0_to_float(s), F32_E2M1)[:, None, :, None])
+                else:
+                    # value * s is exact, then * g as the reference rounds it. 2^126 is split
+                    # 2^64 : 2^62 between them: e4m3's 448 * 2^126 would overflow, and
+                    # v * s * 2^-62 stays a normal float32.
+                    grouped.mul_(s.float()[:, None, :, None] * 2.0 ** 64)
+                    value.mul_(w["g"] * 2.0 ** 62)
+        if out is not value:
+            out.copy_(value)
+        return out
+
+
+def _rows(fmt: QuantFormat, w: dict, r0: int, r1: int) -> dict:
+    """Rows [r0, r1) of one weight's tensors (fp8_block: r0 on a block boundary)."""
+    out = dict(w, q=w["q"][r0:r1])
+    if fmt.kind == "fp8_block":
+        bn = fmt.block[0]
+        out["s"] = w["s"][r0 // bn:-(-r1 // bn)]
+    elif fmt.kind != "fp8_tensor":
+        out["s"] = w["s"][r0:r1]
+        if "z" in w:
+            out["z"] = w["z"][r0:r1]
+    return out
+
+
+def _folded(value: torch.Tensor, scale: torch.Tensor, power: float) -> torch.Tensor:
+    """scale * power (a power of two: exact), to multiply `value` by in one pass; when that
+    would overflow, value is multiplied by power first (a pass more) and scale returned."""
+    scale = scale.float()
+    folded = scale * power
+    if torch.isfinite(folded).all() or not torch.isfinite(scale).all():
+        return folded
+    value.mul_(power)
+    return scale
+
+
+def quant_linear_cpu(x: torch.Tensor, fmt: QuantFormat, w: dict,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """quant_linear_reference's result (the same decoded weights; the sum over K in another
+    order for 4-bit formats), decoded a tile at a time."""
+    _check_linear(x, fmt, w, bias)
+    y = Decoder(fmt, x.dtype).linear(x, w)
+    return y if bias is None else y + bias
+
+
+def fused_moe_quant_cpu(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, *,
+                        b13=None, b2=None, activation: MoeActivation = SILU,
+                        decoder: Decoder | None = None):
+    """fused_moe_quant_reference's result, each routed expert decoded once into `decoder`'s
+    buffers (a fresh Decoder when None) and its tokens run through two matmuls."""
+    _check_moe(x, fmt, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
+    if decoder is None or decoder.dtype != x.dtype or decoder.fmt != fmt:
+        decoder = Decoder(fmt, x.dtype)
+    out = torch.zeros_like(x)
+    for e in torch.unique(topk_ids.reshape(-1)).tolist():
+        token_idx, pos = torch.where(topk_ids == e)
+        slot = e if slot_map is None else int(slot_map[e])
+        xs = x[token_idx]
+        gate_up = decoder.linear(xs, _expert(w13, slot))
+        if b13 is not None:
+            gate_up = gate_up + b13[slot]
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = decoder.linear(_activate(gate, up, activation), _expert(w2, slot))
+        if b2 is not None:
+            h = h + b2[slot]
+        out.index_add_(0, token_idx, h * topk_weights[token_idx, pos, None].to(h.dtype))
+    return out
