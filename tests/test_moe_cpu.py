@@ -55,3 +55,21 @@ def test_reference_on_unaligned_widths_and_sparse_routing():
         args = _inputs(g, t, 32, 2, 32, 16, 8, torch.bfloat16, False, False)
         got = fused_moe_reference(*args[:5])
         assert torch.equal(got, _moe_loop_torch(*args, SILU))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_token_equals_the_expert_loop(dtype):
+    # Batch-1 decode's path: the same bits as the loop, with slot maps, biases, both
+    # activations and k from 1 to E.
+    from triton_kernels.fused_moe import _moe_one_token_torch
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        e = int(torch.randint(2, 12, (1,), generator=g))
+        k = int(torch.randint(1, e + 1, (1,), generator=g))
+        args = _inputs(g, 1, e, k, e + 2, 16, 8, dtype, slot_map=trial % 2 == 1,
+                       bias=trial % 3 == 1)
+        act = SWIGLU_OAI if trial % 4 == 2 else SILU
+        want = _moe_loop_torch(*args, act)
+        assert torch.equal(_moe_one_token_torch(*args, act), want), f"trial {trial} k={k}"
+        assert torch.equal(fused_moe_reference(*args[:6], b13=args[6], b2=args[7],
+                                               activation=act), want)

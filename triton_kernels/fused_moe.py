@@ -72,13 +72,15 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
     # On the CPU (the CPU experts, the whole CPU engine) one grouped call per projection: a
     # Python loop over experts costs ~10 ops per expert (~1000 per decode step), more than
-    # the matmuls at batch 1. Elsewhere the loop (grouped_mm wants bf16 and aligned strides
+    # the matmuls at batch 1; one token takes a loop without that bookkeeping. Elsewhere the loop (grouped_mm wants bf16 and aligned strides
     # on CUDA). Both give the same bits: the same matmuls per expert, summed in the same order.
     # grouped_mm also wants rows of a multiple of 16 bytes (real widths are; odd test ones not).
     row_bytes = (x.shape[1], w2.shape[2])
     aligned = all(n * x.element_size() % 16 == 0 for n in row_bytes)
     run = _moe_loop_torch
-    if x.device.type == "cpu" and aligned and topk_ids.numel():
+    if x.device.type == "cpu" and x.shape[0] == 1:
+        run = _moe_one_token_torch
+    elif x.device.type == "cpu" and aligned and topk_ids.numel():
         # torch's CPU grouped_mm runs one mm (and one .item()) per group, empty ones too:
         # over the used slots' range it pays only where most of that range is used (batch 8
         # and up); batch-1 decode (8 of 64 experts) stays on the loop.
@@ -106,6 +108,30 @@ def _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activ
             h = h + b2[slot]
         h = h * topk_weights[token_idx, pos, None].to(h.dtype)
         out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+def _moe_one_token_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation):
+    """Batch-1 decode on the CPU: the loop's arithmetic (the same matmuls, experts added in id
+    order) without its bookkeeping per expert (unique, where, index, index_add_: ~40% of a
+    decode step's ops), the routing weights over the k experts at once."""
+    ids = topk_ids[0].tolist()
+    order = sorted(range(len(ids)), key=ids.__getitem__)          # ascending id, as the loop
+    table = None if slot_map is None else slot_map.tolist()
+    slots = [ids[j] if table is None else table[ids[j]] for j in order]
+    gate_up = [F.linear(x, w13[s]) for s in slots]                # k x [1, 2I]
+    if b13 is not None:
+        gate_up = [g + b13[s] for g, s in zip(gate_up, slots)]
+    # One activation per expert, on the loop's [1, I] views: torch's float32 sigmoid gives
+    # other bits on other layouts (a stacked [k, 1, I] is vectorized differently).
+    act = [_activate(*g.chunk(2, dim=-1), activation) for g in gate_up]
+    h = torch.stack([F.linear(a, w2[s]) for a, s in zip(act, slots)])        # [k, 1, D]
+    if b2 is not None:
+        h = h + b2[slots][:, None]
+    h = (h * topk_weights[0, order][:, None, None].to(h.dtype)).to(x.dtype)
+    out = h[0].clone()
+    for j in range(1, len(slots)):
+        out += h[j]
     return out
 
 
