@@ -30,8 +30,10 @@ from triton_kernels.dequant import (QuantFormat, dequantize_reference, fused_moe
                                     fused_moe_quant_reference, quant_linear,
                                     quant_linear_reference)
 from triton_kernels.dequant_cpu import fused_moe_quant_cpu, quant_linear_cpu
+from triton_kernels.cpu_matmul import linear
 
 __all__ = [
+    "linear",
     "set_backend", "get_backend", "set_fixed_configs",
     "rms_norm", "rms_norm_reference",
     "apply_rope", "apply_rope_reference",

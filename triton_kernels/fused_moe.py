@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
+from triton_kernels.cpu_matmul import linear, widens
 from triton_kernels.moe_align import moe_align
 
 
@@ -70,27 +71,39 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         activation: MoeActivation = SILU) -> torch.Tensor:
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
-    # On the CPU (the CPU experts, the whole CPU engine) one grouped call per projection: a
-    # Python loop over experts costs ~10 ops per expert (~1000 per decode step), more than
-    # the matmuls at batch 1; one token takes a loop without that bookkeeping. Elsewhere the loop (grouped_mm wants bf16 and aligned strides
-    # on CUDA). Both give the same bits: the same matmuls per expert, summed in the same order.
-    # grouped_mm also wants rows of a multiple of 16 bytes (real widths are; odd test ones not).
+    # On the CPU (the CPU experts, the whole CPU engine), by rows per used expert:
+    # - one token: the loop without its bookkeeping per expert (_moe_one_token_torch);
+    # - a few (decode batches): one grouped call per projection; a Python loop over experts
+    #   costs ~10 ops per expert (~1000 per decode step), more than the matmuls;
+    # - WIDE_ROWS and more (prefill chunks): the loop, each expert's 16-bit weights widened
+    #   to float32 (cpu_matmul.py: 16-bit CPU matmuls run row by row), one expert at a time
+    #   (a layer's experts widened at once would be 4 bytes a weight of them).
+    # Elsewhere the loop (grouped_mm wants bf16 and aligned strides on CUDA). The loop and
+    # the grouped call give the same bits: the same matmuls per expert, summed in the same
+    # order. grouped_mm also wants rows of a multiple of 16 bytes (real widths are; odd test
+    # ones not).
     row_bytes = (x.shape[1], w2.shape[2])
     aligned = all(n * x.element_size() % 16 == 0 for n in row_bytes)
+    if x.device.type != "cpu" or not topk_ids.numel():
+        return _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
+    if x.shape[0] == 1:
+        return _moe_one_token_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                                    activation)
+    used = (topk_ids if slot_map is None else slot_map[topk_ids]).unique()
+    if widens(x, rows=topk_ids.numel() / used.numel()):
+        return _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                               activation, wide=True)
+    # torch's CPU grouped_mm runs one mm (and one .item()) per group, empty ones too: over
+    # the used slots' range it pays only where most of that range is used.
     run = _moe_loop_torch
-    if x.device.type == "cpu" and x.shape[0] == 1:
-        run = _moe_one_token_torch
-    elif x.device.type == "cpu" and aligned and topk_ids.numel():
-        # torch's CPU grouped_mm runs one mm (and one .item()) per group, empty ones too:
-        # over the used slots' range it pays only where most of that range is used (batch 8
-        # and up); batch-1 decode (8 of 64 experts) stays on the loop.
-        used = (topk_ids if slot_map is None else slot_map[topk_ids]).unique()
-        if 2 * used.numel() >= int(used[-1] - used[0]) + 1:
-            run = _moe_grouped_torch
+    if aligned and 2 * used.numel() >= int(used[-1] - used[0]) + 1:
+        run = _moe_grouped_torch
     return run(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
 
 
-def _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation):
+def _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation,
+                    wide: bool = False):
+    """HF's loop over experts; wide: each expert's matmuls widened to float32 (CPU)."""
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1)
     # Group (token, k) pairs by expert so each expert runs one matmul, like HF's loop.
@@ -99,11 +112,11 @@ def _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activ
         slot = e if slot_map is None else int(slot_map[e])
         h = x[token_idx]
         # A separate bias add (HF's `x @ W + b`): the linear output rounds, then the sum.
-        gate_up = F.linear(h, w13[slot])
+        gate_up = linear(h, w13[slot], wide=wide)
         if b13 is not None:
             gate_up = gate_up + b13[slot]
         gate, up = gate_up.chunk(2, dim=-1)
-        h = F.linear(_activate(gate, up, activation), w2[slot])
+        h = linear(_activate(gate, up, activation), w2[slot], wide=wide)
         if b2 is not None:
             h = h + b2[slot]
         h = h * topk_weights[token_idx, pos, None].to(h.dtype)

@@ -17,6 +17,7 @@ from torch import nn
 import triton_kernels as tk
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.cache_spec import AttentionSpec
+from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.rope import RopeTable
 
@@ -53,10 +54,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         d, hd = cfg.hidden_size, self.head_dim
         q_width = self.num_heads * hd * (2 if cfg.output_gate else 1)
-        self.q_proj = nn.Linear(d, q_width, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=cfg.o_bias)
+        self.q_proj = Linear(d, q_width, bias=cfg.qkv_bias)
+        self.k_proj = Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = Linear(d, self.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.num_heads * hd, d, bias=cfg.o_bias)
         self.q_norm = self.k_norm = None
         off = cfg.qk_norm_offset
         if cfg.qk_norm == "head":

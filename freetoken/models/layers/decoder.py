@@ -15,6 +15,7 @@ from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.cache_spec import CacheSpec
 from freetoken.models.config import ModelConfig
 from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.moe import SparseMoeBlock
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.rope import RopeTable
@@ -82,7 +83,7 @@ class MoeForCausalLM(nn.Module):
         # One table for every layer: the families here share one rope per model.
         self.rope = RopeTable(cfg.rope, cfg.head_dim)
         self.model = MoeModel(cfg, make_layer, self.rope, norm_offset)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=lm_head_bias)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

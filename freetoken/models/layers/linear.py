@@ -1,4 +1,10 @@
-"""QuantLinear: a projection whose weight stays in its checkpoint's quantized format.
+"""The model's projections: Linear (nn.Linear through triton_kernels.linear) and QuantLinear.
+
+Linear is nn.Linear (same parameters, same checkpoint names) whose forward is tk.linear:
+F.linear, except on the CPU where a 16-bit weight is widened for products of many rows
+(triton_kernels/cpu_matmul.py: a prefill chunk's projections run 6x faster on AVX2).
+
+QuantLinear: a projection whose weight stays in its checkpoint's quantized format.
 
 It replaces an nn.Linear of the same name (q_proj, down_proj, ...) when the checkpoint stores
 that module quantized; its parameters are the canonical tensors of triton_kernels.dequant
@@ -15,6 +21,11 @@ from torch import nn
 import triton_kernels as tk
 from freetoken.moe.quant_layout import weight_tensors
 from triton_kernels.dequant import QuantFormat
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tk.linear(x, self.weight, self.bias)
 
 
 class QuantLinear(nn.Module):

@@ -27,6 +27,7 @@ from torch import nn
 import triton_kernels as tk
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.cache_spec import RecurrentStateSpec
+from freetoken.models.layers.linear import Linear
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,20 +81,20 @@ class GatedDeltaNet(nn.Module):
         self.cfg, self.layer_idx = cfg, layer_idx
         d, hv = cfg.hidden_size, cfg.num_v_heads
         if cfg.fused_projections:
-            self.in_proj_qkvz = nn.Linear(d, cfg.conv_dim + cfg.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(d, 2 * hv, bias=False)
+            self.in_proj_qkvz = Linear(d, cfg.conv_dim + cfg.value_dim, bias=False)
+            self.in_proj_ba = Linear(d, 2 * hv, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(d, cfg.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(d, cfg.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(d, hv, bias=False)
-            self.in_proj_a = nn.Linear(d, hv, bias=False)
+            self.in_proj_qkv = Linear(d, cfg.conv_dim, bias=False)
+            self.in_proj_z = Linear(d, cfg.value_dim, bias=False)
+            self.in_proj_b = Linear(d, hv, bias=False)
+            self.in_proj_a = Linear(d, hv, bias=False)
         # Depthwise: HF's nn.Conv1d weight [C, 1, W], no bias.
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(cfg.value_dim, d, bias=False)
+        self.out_proj = Linear(cfg.value_dim, d, bias=False)
 
     def cache_spec(self) -> RecurrentStateSpec:
         c = self.cfg

@@ -28,6 +28,7 @@ from torch import nn
 import triton_kernels as tk
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.cache_spec import LatentSpec
+from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.rope import RopeTable
 
@@ -71,18 +72,18 @@ class MlaAttention(nn.Module):
         self.num_heads = h
         self.scale = qk ** -0.5 * cfg.softmax_mscale
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * qk, bias=False)
+            self.q_proj = Linear(d, h * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=cfg.bias)
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=cfg.bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                             bias=cfg.bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                    bias=False)
         self._kv_b_decoded: torch.Tensor | None = None     # kv_b_weight() of a quantized kv_b_proj
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
 
     def cache_spec(self) -> LatentSpec:
         return LatentSpec(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
