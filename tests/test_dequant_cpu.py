@@ -94,3 +94,19 @@ def test_linear_in_row_tiles_equals_one_piece(name, monkeypatch):
     assert torch.equal(tiled, whole)
     want = x @ dequantize_reference(ALL[name], w).T
     assert_close(tiled, want, atol=1e-5, rtol=1e-5, what=name)
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "mxfp4", "int4"])
+def test_many_rows_multiply_the_rounded_weights_widened(name):
+    # A prefill chunk's rows: the weight decoded and rounded to bf16 as the reference does,
+    # then multiplied in float32 (cpu_matmul.py), in the 4-bit formats' split column order.
+    from triton_kernels.cpu_matmul import WIDE_ROWS
+    torch.manual_seed(7)
+    w = _weight(name, (), 64, 192)
+    x = torch.randn(WIDE_ROWS + 4, 192).bfloat16()
+    got = Decoder(ALL[name], torch.bfloat16).linear(x, w)
+    deq = dequantize_reference(ALL[name], w, torch.bfloat16).float()
+    if ALL[name].packed:
+        deq = torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)
+        x = torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
+    assert torch.equal(got, torch.nn.functional.linear(x.float(), deq).bfloat16())

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from triton_kernels.dequant import (QuantFormat, _check_linear, _check_moe, _expert,
                                     dequantize_reference, e8m0_to_float, weight_shape)
+from triton_kernels.cpu_matmul import widens
 from triton_kernels.fused_moe import SILU, MoeActivation, _activate
 
 
@@ -71,10 +72,18 @@ class Decoder:
             x = torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
         step = self.fmt.block[0] if self.fmt.kind == "fp8_block" else 1
         rows = max(step, TILE_ELEMENTS // k // step * step)
+        wide = widens(x)             # many rows: the decoded tile widened (cpu_matmul.py)
+        xs = x.float() if wide else x
+
+        def product(tile: dict) -> torch.Tensor:
+            w = self.decode(tile)
+            return F.linear(xs, w.float()) if wide else F.linear(xs, w)
         if rows >= n:
-            return F.linear(x, self.decode(w))
-        return torch.cat([F.linear(x, self.decode(_rows(self.fmt, w, r, min(r + rows, n))))
-                          for r in range(0, n, rows)], dim=1)
+            y = product(w)
+        else:
+            y = torch.cat([product(_rows(self.fmt, w, r, min(r + rows, n)))
+                           for r in range(0, n, rows)], dim=1)
+        return y.to(x.dtype)
 
     def decode(self, w: dict) -> torch.Tensor:
         """One weight {"q": [N, ..], "s": ..} -> [N, K] in self.dtype, in a reused buffer
