@@ -16,7 +16,8 @@ magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6.
 
 The kernels (quant_matmul.py, quant_moe.py) decode a tile in registers with _dequant_tile
 below and never write a dequantized weight; the references here decode in float32, round once
-to the compute dtype and run the dense op, one expert at a time for MoE banks.
+to the compute dtype and run the dense op, one expert at a time for MoE banks. On the CPU the
+public ops run dequant_cpu.py: the reference's values, a tile of rows at a time.
 """
 
 import dataclasses

@@ -1,20 +1,23 @@
-"""Quantized weights decoded on the CPU: an expert at a time into one reused buffer.
+"""Quantized weights decoded on the CPU: a tile of whole rows at a time, into reused buffers.
 
 dequant.dequantize_reference decodes in float32 with each scale spread to [N, K] first
 (repeat_interleave): ~20 bytes of memory traffic per weight, fine for an oracle and 13-25x
-slower than a bf16 expert when the CPU experts ran on it. Here a weight [N, K] is decoded
-straight into `out` [N, K] (the compute dtype, a buffer the caller reuses across experts) in
-2-4 passes that broadcast the scales as views:
+slower than a bf16 expert when the CPU experts ran on it. Here a tile of rows (TILE_ELEMENTS
+weights, whole scale blocks) is decoded into an int32 buffer whose float32 view holds the
+values, in passes of torch's vectorized integer and float loops:
 
-    fp8_*  out <- q (e4m3 is exact in bf16/f16/f32);  out *= s        (block / row / tensor)
-    mxfp4  out <- PAIRS[q] (a byte's two e2m1 values); out *= 2^(s-127) per 32 columns
-    nvfp4  out <- PAIRS[q];  out *= s per 16 columns;  out *= g
-    int4   out <- NIBBLES[q] (a byte's two nibbles);  out -= z (or 8) per group;  out *= s
+    fp8_*  bits <- q as int8 (sign-extended); << 20; & sign|7 bits  -> value / 2^120
+           value *= s * 2^120                          (per block / row / tensor, as views)
+    4-bit  bits <- q (low nibbles to columns j, high ones to K/2 + j); << 24 (or 28)
+      e2m1   >> 6 (arithmetic); & sign|3 bits  -> value / 2^126;  *= scale * 2^126 per group
+             (nvfp4: * s then * g, as the reference rounds)
+      int4   >> 28; & 15 -> 0..15;  to float; -= z (or 8); *= s per group
+    then the float32 tile is rounded once to the compute dtype.
 
-An in-place multiply of a bf16 tensor by a float32 scale computes in float32 and rounds once,
-and every value before it is exact in the compute dtype (e2m1 x e4m3 has 7 significant bits),
-so the result equals the reference bit for bit. Ragged fp8 blocks (K % bk != 0; experts pad
-their rows) take the reference.
+Each value equals dequantize_reference's bit for bit (the same float32 products, one
+rounding); the 4-bit formats come out in split column order (evens, then odds) and linear()
+permutes x to match. Ragged fp8 blocks (N or K off the block; experts pad theirs) take the
+reference. A tile of many rows' product is widened to float32 (cpu_matmul.py).
 """
 
 from __future__ import annotations
