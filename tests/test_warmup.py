@@ -2,7 +2,7 @@
 
 import pytest
 
-from freetoken import LLM
+from freetoken import LLM, SamplingParams
 from freetoken.scheduler.warmup import depth_walk, extend_lengths, run_warmup
 from hf_checkpoints import cached_checkpoint
 
@@ -43,3 +43,23 @@ def test_warmup_runs_through_the_engine_and_frees_everything(tmp_path):
     assert alloc.num_free == alloc.num_blocks and not llm.engine.has_work
     # Each ladder request prefilled (in chunks of 32) and decoded once.
     assert llm.engine.stats.tokens_generated == 2 * (len(report["extend_lengths"]) + 2)
+
+
+def test_warmup_runs_each_length_whole_under_a_step_time_budget(tmp_path):
+    # ft serve's default budget starts its chunks at 256 tokens: the ladder must still run
+    # every extend length (up to the prefill budget) as one forward, and leave the budget's
+    # fit untouched by its compiling steps.
+    from freetoken.scheduler.step_budget import StepBudget
+    path = cached_checkpoint(str(tmp_path), "qwen3_moe", "gqa_norm_topk")
+    llm = LLM(str(path), skip_tokenizer_init=True, max_prefill_length=600, max_model_len=700)
+    sched = llm.engine.scheduler
+    budget = sched.step_budget = StepBudget(0.001, 600)
+    chunks, schedule = [], sched.schedule
+    sched.schedule = lambda: [chunks.append(c.num_tokens) or c for c in schedule()]
+    run_warmup(llm.engine, max_depth=600)
+    assert 600 in chunks and 513 in chunks
+    assert sched.step_budget is budget and budget.describe()["steps_fitted"] == 0
+    del sched.schedule                                   # the instance attribute: back to the method
+    req = llm.engine.add_request([i % 300 for i in range(600)], SamplingParams(max_tokens=1))
+    assert [c.num_tokens for c in sched.schedule()] == [256]      # real traffic: budgeted again
+    llm.engine.abort(req.request_id)

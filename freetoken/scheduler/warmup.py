@@ -8,6 +8,10 @@ request walks the KV depth in budget-sized chunks up to the serving depth, so at
 long-context classes (split-KV decode) are compiled too, and a last one ends in a short chunk
 over its prefix (MLA's absorbed prefill).
 
+The step time budget is set aside while the ladder runs: it would cut every length to its
+first chunk (256 tokens, nothing seen yet) and leave the longer classes uncompiled, and the
+ladder's compiling steps are no measure of what a step costs.
+
 With prefix caching the cache is emptied before each ladder request (so each really prefills
 its length, never a cached part of it) and after the last, so no ladder block is ever counted
 as a hit for real traffic.
@@ -51,6 +55,15 @@ def run_warmup(core, max_depth: int | None = None,
                 core.runner.allocator.num_blocks * core.runner.allocator.block_size - 2)
     rng = random.Random(0)
     vocab = core.vocab_size
+    step_budget, core.scheduler.step_budget = core.scheduler.step_budget, None
+    try:
+        return _ladder(core, budget, depth, rng, vocab, on_phase)
+    finally:
+        core.scheduler.step_budget = step_budget
+
+
+def _ladder(core, budget: int, depth: int, rng: random.Random, vocab: int,
+            on_phase: Callable[[str], None]) -> dict:
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     lengths = [n for n in extend_lengths(budget) if n <= core.max_model_len - 2]
     t0 = time.perf_counter()
