@@ -2,6 +2,7 @@
 the pool is a separate host buffer and the logic is the same), and the startup arithmetic that
 sizes it: backend choice, auto cache slots, the one-layer floor, CPU layers, hybrid K."""
 
+import dataclasses
 import random
 from collections import OrderedDict
 
@@ -286,3 +287,17 @@ def test_store_checks_host_memory_and_pins_only_with_cuda():
     assert store.pinned_bytes == 0 and store.pin_budget_bytes == 0
     assert store.expert_bytes == 3 * 8 * 4 * 4 and store.total_bytes == 4 * 8 * store.expert_bytes
     assert store.bank(0)["w13"].shape == (8, 8, 8) and store.bank(0)["w2"].shape == (8, 8, 4)
+
+
+def test_auto_sizing_leaves_hybrid_models_their_state_slots():
+    # A hybrid model's running requests each hold a state slot: auto sizing leaves them room
+    # as it leaves the KV, so the cache cannot take the first request's state.
+    hybrid = dataclasses.replace(SHAPE, state_bytes=1 * GiB)          # 16 slots of 64 MiB
+    mem = DeviceMemory("cuda", 6 * GiB, 1 * GiB)
+    assert auto_cache_budget(hybrid, mem, KV) == auto_cache_budget(SHAPE, mem, KV) - GiB
+    plan = plan_moe(MoeConfig(), hybrid, mem, 4096, KV)
+    assert plan.cache_slots == 24 and "state slots 1.00" in plan.sizing      # (2.5 - 1) GiB
+    # and counts them in what `auto` must fit to keep every expert resident
+    assert plan_moe(MoeConfig(), SHAPE, DeviceMemory("cuda", 7.6 * GiB, GiB), 4096, KV).backend == "resident"
+    plan = plan_moe(MoeConfig(), hybrid, DeviceMemory("cuda", 7.6 * GiB, GiB), 4096, KV)
+    assert plan.backend == "offload" and "state slots 1.00 GiB" in plan.reason

@@ -34,6 +34,10 @@ log = logging.getLogger("freetoken.engine")
 
 # State slots an automatically sized pool holds at most (vLLM's default max_num_seqs).
 AUTO_STATE_SLOTS = 256
+# Auto expert-cache sizing leaves hybrid models room for this many requests' state slots
+# (max_state_slots when set), as it leaves the KV cache kv_reserve_tokens: without it the
+# cache could take the memory the first request's state needs.
+STATE_RESERVE_SLOTS = 16
 
 
 @dataclasses.dataclass
@@ -101,7 +105,9 @@ class ModelRunner:
             expert_bytes=first.experts.layout.expert_bytes if first else 0,
             dense_bytes=sum(p.numel() * p.element_size() for p in model.parameters()
                             if id(p) not in banks),
-            kv_bytes_per_token=bytes_per_token(model.cache_specs(), self.dtype))
+            kv_bytes_per_token=bytes_per_token(model.cache_specs(), self.dtype),
+            state_bytes=bytes_per_slot(model.cache_specs(), self.dtype)
+            * (cfg.max_state_slots if cfg.max_state_slots is not None else STATE_RESERVE_SLOTS))
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             mem = DeviceMemory("cuda", free, int(total * (1 - cfg.gpu_memory_utilization)))

@@ -4,8 +4,9 @@ Pure arithmetic on numbers the engine measures (so tests can pass fake free-memo
 which backend `auto` means, which layers run their experts on the CPU, and how many slots the
 GPU expert cache gets. The result, MoePlan, is what /v1/instrumentation reports.
 
-Auto cache sizing on CUDA: slots = (free - reserve - dense - kv_tokens * kv_bytes_per_token)
-// expert_bytes, capped at the number of offloaded experts, where `reserve` is what the engine
+Auto cache sizing on CUDA: slots = (free - reserve - dense - kv_tokens * kv_bytes_per_token
+- state_bytes) // expert_bytes, capped at the number of offloaded experts (state_bytes: the
+recurrent state slots a hybrid model's running requests hold), where `reserve` is what the engine
 keeps back for activations and allocator slack (total * (1 - gpu_memory_utilization), the same
 reserve the KV cache sizing leaves). On a CPU device auto means every offloaded expert.
 
@@ -38,6 +39,7 @@ class MoeShape:
     expert_bytes: int               # one expert's w13 [2I, D] + w2 [D, I]
     dense_bytes: int                # every weight that is not a routed expert
     kv_bytes_per_token: int
+    state_bytes: int = 0            # hybrid models: the state slots to leave room for
 
     @property
     def all_expert_bytes(self) -> int:
@@ -104,10 +106,11 @@ def resolve_backend(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, kv_token
     if mem.kind != "cuda":
         return "resident", "auto on a CPU device: the experts already live in host RAM"
     need = (shape.dense_bytes + shape.all_expert_bytes + kv_tokens * shape.kv_bytes_per_token
-            + mem.reserve_bytes)
+            + shape.state_bytes + mem.reserve_bytes)
+    state = f" + state slots {shape.state_bytes / GiB:.2f} GiB" if shape.state_bytes else ""
     words = (f"dense {shape.dense_bytes / GiB:.2f} GiB + experts "
              f"{shape.all_expert_bytes / GiB:.2f} GiB + KV {kv_tokens} tokens "
-             f"{kv_tokens * shape.kv_bytes_per_token / GiB:.2f} GiB + reserve "
+             f"{kv_tokens * shape.kv_bytes_per_token / GiB:.2f} GiB{state} + reserve "
              f"{mem.reserve_bytes / GiB:.2f} GiB = {need / GiB:.2f} GiB")
     if need <= mem.free_bytes:
         return "resident", f"auto: {words} fit in {mem.free_bytes / GiB:.2f} GiB free"
@@ -115,9 +118,10 @@ def resolve_backend(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, kv_token
 
 
 def auto_cache_budget(shape: MoeShape, mem: DeviceMemory, kv_tokens: int) -> int:
-    """Device bytes left for the expert cache after dense weights, KV reserve and reserve."""
+    """Device bytes left for the expert cache after dense weights, the KV and state-slot
+    reserves and the allocator reserve."""
     return (mem.free_bytes - mem.reserve_bytes - shape.dense_bytes
-            - kv_tokens * shape.kv_bytes_per_token)
+            - kv_tokens * shape.kv_bytes_per_token - shape.state_bytes)
 
 
 def cache_slots(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, kv_tokens: int,
@@ -135,8 +139,9 @@ def cache_slots(cfg: MoeConfig, shape: MoeShape, mem: DeviceMemory, kv_tokens: i
         slots = max(0, min(num_cached, budget // shape.expert_bytes))
         how = (f"auto: {mem.free_bytes / GiB:.2f} GiB free - reserve "
                f"{mem.reserve_bytes / GiB:.2f} - dense {shape.dense_bytes / GiB:.2f} - KV "
-               f"{kv_tokens} tokens {kv_tokens * shape.kv_bytes_per_token / GiB:.2f} = "
-               f"{budget / GiB:.2f} GiB for experts of {shape.expert_bytes / 2**20:.2f} MiB")
+               f"{kv_tokens} tokens {kv_tokens * shape.kv_bytes_per_token / GiB:.2f}"
+               + (f" - state slots {shape.state_bytes / GiB:.2f}" if shape.state_bytes else "")
+               + f" = {budget / GiB:.2f} GiB for experts of {shape.expert_bytes / 2**20:.2f} MiB")
     if slots < min_slots:
         raise MoePlanError(
             f"the GPU expert cache gets {slots} slots ({how}), fewer than the {min_slots} "
