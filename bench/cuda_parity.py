@@ -37,7 +37,6 @@ def main(argv=None) -> int:
             results = {}
             for backend in ("reference", "triton"):
                 llm = LLM(d, device=args.device, dtype=args.dtype, kernel_backend=backend)
-                triton_kernels.set_backend(backend)
                 logits = llm.logits(prompts[2])
                 tokens = [o.token_ids for o in llm.generate(prompts, params)]
                 results[backend] = (logits, tokens)

@@ -23,11 +23,10 @@ def kernel_device():
         return
     import triton_kernels as tk
     torch.set_default_device("cuda")
-    tk.set_fixed_configs(True)
     try:
-        yield
+        with tk.fixed_configs_scope():
+            yield
     finally:
-        tk.set_fixed_configs(False)
         torch.set_default_device("cpu")
 
 

@@ -111,3 +111,23 @@ def test_sampler_distribution_and_logprobs():
     lp, top = res.logprobs[0]
     assert abs(lp - torch.log(torch.tensor(0.5)).item()) < 1e-5
     assert [t for t, _ in top] == [0, 1]
+
+
+def test_kernel_backend_is_per_runner_not_process_wide(tmp_path):
+    # Two engines in one process keep their own kernel backend: each forward runs inside its
+    # runner's `kernel_backend` block, and nothing leaks outside it.
+    import triton_kernels as tk
+    from freetoken import LLM
+    from hf_checkpoints import cached_checkpoint
+    path = str(cached_checkpoint(str(tmp_path), "qwen3_moe", "gqa_norm_topk"))
+    seen = {}
+    ref = LLM(path, skip_tokenizer_init=True, kernel_backend="reference")
+    auto = LLM(path, skip_tokenizer_init=True)
+    for name, llm in (("reference", ref), ("auto", auto)):
+        hook = llm.runner.model.register_forward_pre_hook(     # (returns None: inputs kept)
+            lambda m, a, name=name: seen.update({name: tk.get_backend()}))
+        llm.logits([1, 2, 3])
+        hook.remove()
+    assert seen == {"reference": "reference", "auto": "auto"} and tk.get_backend() == "auto"
+    with pytest.raises(ValueError, match="kernel backend must be one of"):
+        LLM(path, skip_tokenizer_init=True, kernel_backend="cuda")

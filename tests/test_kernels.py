@@ -42,9 +42,8 @@ def _kernel_device():
     (conftest sets TRITON_INTERPRET)."""
     if torch.cuda.is_available():
         torch.set_default_device("cuda")
-        tk.set_fixed_configs(True)
-        yield
-        tk.set_fixed_configs(False)
+        with tk.fixed_configs_scope():
+            yield
         torch.set_default_device("cpu")
     else:
         yield
@@ -403,8 +402,7 @@ def test_fused_moe_autotune_key_has_no_raw_token_count():
 
 def test_public_ops_dispatch_to_triton_when_forced():
     x = torch.randn(3, 64)
-    tk.set_backend("triton")
-    try:
+    with tk.kernel_backend("triton"):
         w = torch.ones(64)
         assert_close(tk.rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), **TOL[torch.float32])
         assert_close(tk.silu_and_mul(x), silu_and_mul_reference(x), **TOL[torch.float32])
@@ -424,5 +422,4 @@ def test_public_ops_dispatch_to_triton_when_forced():
                      **TOL_ACCUM[torch.float32])
         moe = _moe_inputs(2, 64, 32, 4, 2, None, torch.float32)
         assert_close(tk.fused_moe(*moe), fused_moe_reference(*moe), **TOL_ACCUM[torch.float32])
-    finally:
-        tk.set_backend("auto")
+

@@ -290,14 +290,11 @@ def test_public_ops_dispatch_and_launchers_reject_bad_layouts():
     want = fused_moe_quant_reference(x, fmt, w13, w2, weights, ids)
     lin = random_weight(fmt, (), 16, 32)
     for backend in ("triton", "reference"):
-        tk.set_backend(backend)
-        try:
+        with tk.kernel_backend(backend):
             assert_close(tk.fused_moe_quant(x, fmt, w13, w2, weights, ids), want,
                          **TOL_ACCUM[torch.float32], what=backend)
             assert_close(tk.quant_linear(x, fmt, lin), quant_linear_reference(x, fmt, lin),
                          **TOL_ACCUM[torch.float32], what=backend)
-        finally:
-            tk.set_backend("auto")
     strided = dict(lin, s=lin["s"].t().contiguous().t())
     with pytest.raises(ValueError, match="contiguous"):
         quant_linear_triton(x, fmt, strided)

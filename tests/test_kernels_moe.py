@@ -128,9 +128,6 @@ def test_public_op_passes_the_new_kwargs():
     kw = dict(b13=b13, b2=b2, activation=SWIGLU_OAI)
     want = fused_moe_reference(x, w13, w2, weights, ids, slot_map, **kw)
     for backend in ("triton", "reference"):
-        tk.set_backend(backend)
-        try:
+        with tk.kernel_backend(backend):
             assert_close(tk.fused_moe(x, w13, w2, weights, ids, slot_map, **kw), want,
                          **TOL_ACCUM[torch.float32], what=backend)
-        finally:
-            tk.set_backend("auto")

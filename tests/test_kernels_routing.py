@@ -145,11 +145,8 @@ def test_bad_routing_args_are_rejected():
 def test_public_op_dispatches():
     logits = _logits(4, 32)
     want = biased_topk_reference(logits, 4, n_group=4, topk_group=2, scale=1.5)
-    tk.set_backend("triton")
-    try:
+    with tk.kernel_backend("triton"):
         got = tk.biased_topk(logits, 4, n_group=4, topk_group=2, scale=1.5)
-    finally:
-        tk.set_backend("auto")
     _assert_same_ids(got[1], want[1], "public op")
     assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
 

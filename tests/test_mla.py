@@ -88,11 +88,8 @@ def test_layer_through_the_triton_kernels_equals_the_references():
     outs, pools = [], []
     for backend in ("reference", "triton"):
         batch = _two_sequence_batch(layer, torch.Generator().manual_seed(3))
-        tk.set_backend(backend)
-        try:
+        with tk.kernel_backend(backend):
             outs.append(layer(x, batch))
-        finally:
-            tk.set_backend("auto")
         pools.append(batch.kv.layer(0)[0])
     torch.testing.assert_close(pools[1], pools[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)

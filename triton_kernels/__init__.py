@@ -12,7 +12,8 @@ quantized weights (QuantFormat: FP8 block/channel/tensor, MXFP4, NVFP4, INT4), d
 registers.
 """
 
-from triton_kernels._dispatch import get_backend, set_backend, set_fixed_configs
+from triton_kernels._dispatch import (check_backend, fixed_configs_scope, get_backend,
+                                      kernel_backend)
 from triton_kernels.rms_norm import rms_norm, rms_norm_reference
 from triton_kernels.rope import apply_rope, apply_rope_reference
 from triton_kernels.silu_mul import silu_and_mul, silu_and_mul_reference
@@ -34,7 +35,7 @@ from triton_kernels.cpu_matmul import linear
 
 __all__ = [
     "linear",
-    "set_backend", "get_backend", "set_fixed_configs",
+    "kernel_backend", "check_backend", "get_backend", "fixed_configs_scope",
     "rms_norm", "rms_norm_reference",
     "apply_rope", "apply_rope_reference",
     "silu_and_mul", "silu_and_mul_reference",

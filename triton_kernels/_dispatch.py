@@ -1,10 +1,14 @@
 """Which implementation a public op runs: the Triton kernel or the torch reference.
 
-The engine sets the backend once at startup from its config ("auto" resolves per tensor:
-Triton for CUDA tensors when triton imports, the reference otherwise). Tests force
-"reference" to compare, and kernel tests call the `_triton` launchers directly.
+"auto" resolves per tensor: Triton for CUDA tensors when triton imports, the reference
+otherwise. A caller that wants another runs its ops inside `with kernel_backend(name):`, a
+context variable scoped to that block and thread (the model runner wraps its forwards with
+its config's backend, so two engines in one process keep their own; tests force "reference"
+to compare). Kernel tests call the `_triton` launchers directly.
 """
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -27,18 +31,29 @@ except ImportError:   # no triton wheel for this platform: the references still 
     triton = tl = _Missing()
 
 _BACKENDS = ("auto", "triton", "reference")
-_backend = "auto"
+_backend = contextvars.ContextVar("triton_kernels_backend", default="auto")
+_fixed_configs = contextvars.ContextVar("triton_kernels_fixed_configs", default=False)
 
 
-def set_backend(name: str) -> None:
-    global _backend
+def check_backend(name: str) -> str:
     if name not in _BACKENDS:
         raise ValueError(f"kernel backend must be one of {_BACKENDS}, got {name!r}")
-    _backend = name
+    return name
+
+
+@contextlib.contextmanager
+def kernel_backend(name: str):
+    """Run the block's ops on backend `name` ("auto", "triton" or "reference")."""
+    token = _backend.set(check_backend(name))
+    try:
+        yield
+    finally:
+        _backend.reset(token)
 
 
 def get_backend() -> str:
-    return _backend
+    """The backend ops run on here ("auto" outside any kernel_backend block)."""
+    return _backend.get()
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,24 +71,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-_fixed_configs = False
-
-
-def set_fixed_configs(on: bool) -> None:
-    """Launch autotuned kernels with one fixed config instead of tuning: the kernel tests on
-    a GPU check correctness, and tuning every shape they try would take minutes."""
-    global _fixed_configs
-    _fixed_configs = on
+@contextlib.contextmanager
+def fixed_configs_scope(on: bool = True):
+    """Launch autotuned kernels in the block with one fixed config instead of tuning: the
+    kernel tests on a GPU check correctness, and tuning every shape they try would take
+    minutes."""
+    token = _fixed_configs.set(on)
+    try:
+        yield
+    finally:
+        _fixed_configs.reset(token)
 
 
 def fixed_configs() -> bool:
-    return _fixed_configs or interpreting()
+    return _fixed_configs.get() or interpreting()
 
 
 def use_triton(t) -> bool:
     """True when an op on tensor `t` should run its Triton kernel."""
-    if _backend == "reference":
+    backend = _backend.get()
+    if backend == "reference":
         return False
-    if _backend == "triton":
+    if backend == "triton":
         return True
     return t.is_cuda and triton_available()

@@ -486,7 +486,7 @@ _GEMV2 = triton.autotune(configs=_GEMV_CONFIGS, key=_GEMV_AUTOTUNE_KEY, **_CACHE
 
 def _launch(kernel, tuned, grid, args: tuple, **kwargs):
     """grid(BLOCK_N) -> launch grid. Autotuned on a GPU; one fixed config under the
-    interpreter, which cannot tune, and when set_fixed_configs(True) asks for one."""
+    interpreter, which cannot tune, and inside fixed_configs_scope()."""
     if fixed_configs():
         config = _INTERPRETER_CONFIG if interpreting() else _FIXED_GPU_CONFIG
         kernel[grid(config["BLOCK_N"])](*args, **kwargs, **config)

@@ -55,7 +55,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        triton_kernels.set_backend(config.kernel_backend)
+        triton_kernels.check_backend(config.kernel_backend)
         self.model_dir = resolve_model_path(config.model)
         model, mc = init_model(self.model_dir, config.dtype)    # config and family errors first
         self.model_config = mc
@@ -271,4 +271,5 @@ class ModelRunner:
             self.moe.begin_step()
         if all_logits:
             batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
-        return self.model(batch)
+        with triton_kernels.kernel_backend(self.config.kernel_backend):
+            return self.model(batch)

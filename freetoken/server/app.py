@@ -252,7 +252,7 @@ class ServingApp:
                        "torch": torch.__version__, "triton": _triton_version(),
                        "cpu_threads": torch.get_num_threads()},
             "freetoken": {"version": freetoken.__version__, "git_commit": _git_commit()},
-            "kernels": {"backend": triton_kernels.get_backend()},
+            "kernels": {"backend": self.engine.core.runner.config.kernel_backend},
             "kv_cache": {"blocks": alloc.num_blocks, "block_size": alloc.block_size,
                          "tokens": alloc.num_blocks * alloc.block_size, "free_blocks": alloc.num_free,
                          "bytes_per_token": runner.kv.bytes_per_token,
