@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""One MoE layer on the CPU: bf16 experts against each quantized format's CPU decode
+(triton_kernels/dequant_cpu.py) and its float32 reference, in one run.
+
+    python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
+    python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
+
+Random weights quantized by the project's own quantizer; per format and token count the
+median of --reps calls (routing redrawn each call), in ms, and the ratio to bf16 in the same
+run (the machine is shared: compare ratios, not milliseconds across runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's freetoken
+
+FORMATS = {"fp8_block": dict(kind="fp8_block"), "fp8_channel": dict(kind="fp8_channel"),
+           "mxfp4": dict(kind="mxfp4"), "nvfp4": dict(kind="nvfp4"),
+           "int4": dict(kind="int4", group=128, symmetric=False)}
+
+
+def bank(fmt, experts: int, n: int, k: int, g: torch.Generator) -> dict:
+    from freetoken.models.quant.quantize import quantize_weight
+    parts = [quantize_weight(fmt, torch.randn(n, k, generator=g) * k ** -0.5,
+                             scale_dtype=torch.bfloat16) for _ in range(experts)]
+    return {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
+
+
+def median_ms(fn, x, experts: int, top_k: int, reps: int, g) -> float:
+    times = []
+    for _ in range(reps + 1):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(len(x))])
+        weights = torch.rand(len(x), top_k, generator=g).softmax(-1)
+        t0 = time.perf_counter()
+        fn(x, weights, ids.int())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--width", type=int, default=256, help="the expert's intermediate size I")
+    p.add_argument("--tokens", default="1,8,64")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--skip-reference", action="store_true", help="the float32 reference is slow")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from triton_kernels.dequant import QuantFormat, fused_moe_quant_reference
+    from triton_kernels.dequant_cpu import fused_moe_quant_cpu
+    from triton_kernels.fused_moe import fused_moe_reference
+
+    g = torch.Generator().manual_seed(0)
+    e, d, i = args.experts, args.hidden, args.width
+    w13 = (torch.randn(e, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
+    w2 = (torch.randn(e, d, i, generator=g) * i ** -0.5).bfloat16()
+    arms = {"bf16": lambda x, w, ids: fused_moe_reference(x, w13, w2, w, ids)}
+    for name in [f for f in args.formats.split(",") if f]:
+        fmt = QuantFormat(**FORMATS[name])
+        q13, q2 = bank(fmt, e, 2 * i, d, g), bank(fmt, e, d, i, g)
+        arms[f"{name} cpu"] = (lambda x, w, ids, fmt=fmt, q13=q13, q2=q2:
+                               fused_moe_quant_cpu(x, fmt, q13, q2, w, ids))
+        if not args.skip_reference:
+            arms[f"{name} reference"] = (lambda x, w, ids, fmt=fmt, q13=q13, q2=q2:
+                                         fused_moe_quant_reference(x, fmt, q13, q2, w, ids))
+    tokens = [int(t) for t in args.tokens.split(",")]
+    print(f"one MoE layer: {e} experts, top-{args.top_k}, D {d}, I {i}, {args.threads} threads; "
+          f"ms (median of {args.reps}) and x bf16")
+    print("arm".ljust(22) + "".join(f"T={t}".ljust(20) for t in tokens))
+    base = {}
+    for name, fn in arms.items():
+        cells = []
+        for t in tokens:
+            x = torch.randn(t, d, generator=g).bfloat16()
+            ms = median_ms(fn, x, e, args.top_k, args.reps, g)
+            base.setdefault(t, ms)
+            cells.append(f"{ms:.2f} ({ms / base[t]:.2f}x)")
+        print(name.ljust(22) + "".join(c.ljust(20) for c in cells), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
