@@ -171,27 +171,6 @@ def test_released_vl_layout_loads_and_matches_transformers(tmp_path, caplog):
     assert rel_err(llm.logits(ids), ref) < 1e-4
 
 
-# The MoE block is the shared SparseMoeBlock, so every expert backend serves hybrid models.
-BACKENDS = [("qwen3_next", dict(moe_backend="offload", moe_cache_size=8)),
-            ("qwen3_5_moe", dict(moe_backend="cpu")),
-            ("qwen3_5_moe", dict(moe_backend="hybrid", moe_cache_size=6, moe_hybrid_k=1))]
-
-
-@pytest.mark.parametrize("family,kwargs", BACKENDS, ids=[k["moe_backend"] for _, k in BACKENDS])
-def test_expert_backends_match_resident(ckpt_root, family, kwargs, monkeypatch, tmp_path):
-    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))     # no saved bandwidth profile
-    path = str(cached_checkpoint(ckpt_root, family, dict(HYBRID)[family]))
-    prompts = [prompt(n, 60 + n) for n in (3, 20, 33)]
-    resident = LLM(path, skip_tokenizer_init=True, max_prefill_length=16)
-    want = [o.token_ids for o in resident.generate(prompts, GREEDY)]
-    llm = LLM(path, skip_tokenizer_init=True, max_prefill_length=16, **kwargs)
-    assert llm.runner.moe_report()["backend"] == kwargs["moe_backend"]
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
-    assert rel_err(llm.logits(prompts[2]), resident.logits(prompts[2])) < 1e-5
-    assert llm.runner.moe_report()["counters"]["lookups" if kwargs["moe_backend"] != "cpu"
-                                               else "cpu_experts"] > 0
-
-
 TINY = dict(hidden_size=64, num_experts=4, moe_intermediate_size=16,
             shared_expert_intermediate_size=32)
 
@@ -212,12 +191,23 @@ def test_tiny_hub_layout_loads_in_transformers_and_matches(tiny_model_dir, famil
     assert rel_err(LLM(str(path), skip_tokenizer_init=True).logits(ids), ref) < 1e-4
 
 
-def test_warmup_ladder_runs_through_the_slots(ckpt_root):
+def test_warmup_ladder_runs_through_the_slots(ckpt_root, monkeypatch):
+    """The ladder runs both forms of the delta rule (their kernels take no autotune: each
+    form compiles once per model, keyed by chunked-or-recurrent): all-decode batches (T == N,
+    the recurrent step) and prefill chunks (the chunked form); then every slot is free."""
+    import triton_kernels as tk
     from freetoken.scheduler.warmup import run_warmup
+    forms, rule = set(), tk.gated_delta_rule
+
+    def spy(q, k, v, g, beta, pool, slots, cu, *rest, **kw):
+        forms.add("recurrent" if q.shape[0] == slots.shape[0] else "chunked")
+        return rule(q, k, v, g, beta, pool, slots, cu, *rest, **kw)
+    monkeypatch.setattr(tk, "gated_delta_rule", spy)
     llm = LLM(str(cached_checkpoint(ckpt_root, *HYBRID[0])), skip_tokenizer_init=True,
               max_prefill_length=16, max_model_len=64)
     report = run_warmup(llm.engine, max_depth=40)
     assert report["extend_lengths"][-1] == 16 and report["depth"] == 40
+    assert forms == {"recurrent", "chunked"}
     assert llm.runner.kv.slots.num_used == 0 and not llm.engine.has_work
 
 

@@ -178,6 +178,30 @@ def test_engine_cache_bytes_per_token_is_the_latent(tiny):
     assert got == cold.generate([second], GREEDY)[0].token_ids
 
 
+def test_mtp_layer_is_skipped_knowingly(tiny, tmp_path):
+    """DeepSeek-V3 ships its MTP layer as model.layers.{num_hidden_layers}.* (config
+    num_nextn_predict_layers): loaded from a second shard, it is skipped and changes nothing;
+    the same tensors without that config field are refused by name."""
+    import shutil
+
+    from safetensors.torch import save_file
+    raw = json.loads(open(f"{tiny}/config.json").read())
+    n = raw["num_hidden_layers"]
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(tiny, folder)
+    mtp = {f"model.layers.{n}.eh_proj.weight": torch.randn(raw["hidden_size"], 2 * raw["hidden_size"]),
+           f"model.layers.{n}.enorm.weight": torch.randn(raw["hidden_size"]),
+           f"model.layers.{n}.self_attn.kv_a_layernorm.weight": torch.randn(raw["kv_lora_rank"])}
+    save_file(mtp, str(folder / "mtp.safetensors"))
+    ids = [5, 17, 99, 3, 200, 7, 8, 45, 11]
+    want = LLM(tiny, skip_tokenizer_init=True).logits(ids)
+    (folder / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    assert torch.equal(LLM(str(folder), skip_tokenizer_init=True).logits(ids), want)
+    (folder / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
+    with pytest.raises(Exception, match=rf"model\.layers\.{n}\.eh_proj\.weight"):
+        LLM(str(folder), skip_tokenizer_init=True)
+
+
 def test_yarn_softmax_mscale():
     yarn = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}
     m = 0.1 * math.log(40.0) + 1.0

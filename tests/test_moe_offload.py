@@ -29,7 +29,10 @@ CASES = [
     ("minimax_m2", "gqa_partial_rotary"),  # sigmoid router with its bias beside it
     ("ernie4_5_moe", "bias_shared"),       # softmax router with a selection bias
 ]
-CASES += [("deepseek_v3", "qlora_yarn_groups")]   # MLA; grouped sigmoid router, a dense layer 0
+CASES += [("deepseek_v3", "qlora_yarn_groups"),    # MLA; grouped sigmoid router, a dense layer 0
+          ("glm4_moe_lite", "qlora_yarn_groups"),  # MLA at GLM-4.7-Flash's layout
+          ("qwen3_next", "gqa_linear2x"),          # Gated DeltaNet layers: state slots beside
+          ("qwen3_5_moe", "split_proj")]           # the experts (tests/test_hybrid.py: parity)
 # (name, LLM kwargs); moe_cache_size "min" = top_k (the floor: a prefill chunk's layers run in
 # waves), "mid" = halfway to every expert. Without a size, offload on a CPU device caches every expert.
 BACKENDS = [
@@ -120,6 +123,8 @@ def test_backend_matches_resident(ckpt_root, family, variant, name, kwargs):
         assert c["bytes_fetched"] == 0 or c["fetch_gbps"] > 0
         if slots < len(cached) * mc.num_experts and not name.startswith("hybrid"):
             assert c["evictions"] > 0          # the small caches really were exercised
+        if slots == mc.num_experts_per_tok and not name.startswith("hybrid"):
+            assert c["wave_steps"] > 0         # a 16-token chunk needs more than top_k experts
     if name == "hybrid-k1" and mc.num_experts_per_tok > 1:
         assert report["hybrid_k"] == 1 and c["cpu_experts"] > 0
     if name == "hybrid-measured-k":

@@ -161,7 +161,7 @@ def test_a_non_attention_cache_turns_caching_off(caplog):
     assert config.enable_prefix_caching is False
     assert [r.message for r in caplog.records if "prefix caching" in r.message] == [
         "prefix caching off: the model keeps RecurrentState state, which a cached prefix does not "
-        "restore (caching covers attention KV only)"]
+        "restore (caching covers per-token K/V and MLA latents only)"]
 
 
 BACKENDS = [

@@ -53,7 +53,7 @@ def unsupported_reason(specs: dict) -> str | None:
     others = sorted({type(s).__name__ for s in specs.values() if not isinstance(s, PREFIX_CACHEABLE)})
     if others:
         return (f"the model keeps {', '.join(others)} state, which a cached prefix does not "
-                f"restore (caching covers attention KV only)")
+                f"restore (caching covers per-token K/V and MLA latents only)")
     return None
 
 

@@ -1,4 +1,6 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash) over a paged latent cache.
+"""Multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash) over a paged latent cache.
+
+DeepSeek-V2 has the same attention, but its family (softmax router) is not built.
 
 Per token the layer keeps one row shared by every head: latent = [c_kv | k_pe], c_kv the
 normed compressed KV (L = kv_lora_rank) and k_pe the rotated shared rope key (R =
