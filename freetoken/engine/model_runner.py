@@ -24,6 +24,7 @@ from freetoken.engine.cache_spec import bytes_per_slot, bytes_per_token
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
                                      resolve_model_path)
+from freetoken.models.layers.linear import pack_for_cpu
 from freetoken.models.quant.apply import describe_parts
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
 from freetoken.moe.runtime import MoeRuntime
@@ -72,6 +73,12 @@ class ModelRunner:
         model = materialize(model, self.device, host_banks)
         load_weights(model, checkpoint_files(self.model_dir), progress)
         self.model = model.eval().requires_grad_(False)
+        if self.device.type == "cpu":
+            dense, banks = pack_for_cpu(self.model, experts=self.expert_store is None)
+            if dense or banks:
+                log.info("CPU: projections packed for the fp16-weight GEMM (%.1f MiB beside "
+                         "them), resident experts repacked in place (%.1f MiB)",
+                         dense / 2**20, banks / 2**20)
         if self.expert_store is not None:
             self.moe = self._moe_runtime(blocks)
         elif config.moe.trace_path:
