@@ -145,3 +145,25 @@ def _unpack(p: tk.Fp16Weight) -> torch.Tensor:
     eye = torch.eye(p.in_features)
     return (torch.fbgemm_linear_fp16_weight(eye, p.packed, torch.zeros(p.out_features)).T
             .to(p.dtype))
+
+
+def test_cpu_expert_layers_are_packed_in_the_store(tiny_model_dir):  # noqa: F811
+    """Experts in host RAM that only the CPU computes (moe_backend=cpu, moe_cpu_layers) are
+    packed in the store in place, and the model's banks point at the packed objects: the
+    CPU backend then gives the resident (packed) model's logits. Fetched layers stay stacked
+    tensors (the fetcher copies them)."""
+    from freetoken import LLM
+    path = str(tiny_model_dir("qwen3_moe"))
+    ids = [5, 17, 99, 3, 200, 7, 8, 45, 11]
+    want = LLM(path, skip_tokenizer_init=True, dtype="bfloat16").logits(ids)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", moe_backend="cpu")
+    store, blocks = llm.runner.expert_store, llm.runner.model.moe_blocks()
+    assert store.layers and all(isinstance(store.bank(i)["w13"], tk.PackedExperts)
+                                and blocks[i].experts.w13 is store.bank(i)["w13"]
+                                for i in store.layers)
+    torch.testing.assert_close(llm.logits(ids), want, atol=0, rtol=0)
+    mixed = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", moe_backend="offload",
+                moe_cpu_layers="1")
+    banks, (cpu,) = mixed.runner.expert_store.banks, mixed.runner.moe_report()["cpu_layers"]
+    assert all(isinstance(b["w2"], tk.PackedExperts) == (i == cpu) for i, b in banks.items())
+    torch.testing.assert_close(mixed.logits(ids), want, atol=0.06, rtol=0.03)

@@ -67,10 +67,15 @@ EPILOGUES = [("both", SILU), ("b2", SILU), ("none", SWIGLU_OAI), ("b13", SWIGLU_
              ("both", SWIGLU_OAI)]
 
 
+# The GEMV form serves up to _GEMV_MAX_TOKENS (8) tokens: the 70-token shape is the grouped
+# form's alone (through the interpreter it cost ~10 s a case in the GEMV form).
+SHAPE_PATHS = [(*shape, path) for shape in SHAPES for path in ("gemv", "grouped")
+               if path == "grouped" or shape[0] <= 8]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["gemv", "grouped"])
 @pytest.mark.parametrize("bias,activation", EPILOGUES, ids=[f"{b}-{a.kind}" for b, a in EPILOGUES])
-@pytest.mark.parametrize("t,d,inter,e,k,pool", SHAPES)
+@pytest.mark.parametrize("t,d,inter,e,k,pool,path", SHAPE_PATHS)
 def test_fused_moe_bias_and_activation(t, d, inter, e, k, pool, bias, activation, path, dtype):
     x, w13, w2, weights, ids, slot_map, b13, b2 = _inputs(t, d, inter, e, k, pool, dtype, bias,
                                                           act_scale=1.0)

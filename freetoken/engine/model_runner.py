@@ -81,6 +81,9 @@ class ModelRunner:
                          dense / 2**20, banks / 2**20)
         if self.expert_store is not None:
             self.moe = self._moe_runtime(blocks)
+            # Layers only the CPU computes: packed for its fp16-weight GEMM, as a CPU engine's.
+            for i in self.expert_store.pack_cpu(self.moe_plan.cpu_layers):
+                blocks[i].experts.pack_cpu(self.expert_store.bank(i))
         elif config.moe.trace_path:
             log.warning("moe_trace=%s records nothing: every expert stays on the device (%s); "
                         "a trace needs experts in host RAM (e.g. moe_backend=offload)",
@@ -140,7 +143,8 @@ class ModelRunner:
             raise NotImplementedError("experts off the device need every MoE layer to share one "
                                       "expert layout and count (one slot pool serves them all)")
         return ExpertStore(tuple(blocks), first.num_experts, first.layout,
-                           pin=self.device.type == "cuda", pin_budget_bytes=budget)
+                           pin=self.device.type == "cuda", pin_budget_bytes=budget,
+                           unpinned=self.moe_plan.cpu_layers)
 
     def _moe_runtime(self, blocks) -> MoeRuntime:
         # Prefetch guesses: a layer's own route() on the previous layer's hidden state ->

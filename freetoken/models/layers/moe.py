@@ -90,19 +90,21 @@ class ExpertBank(nn.Module):
         dst.copy_(tensor)
         return name
 
-    def pack_cpu(self) -> int:
+    def pack_cpu(self, packed: dict | None = None) -> int:
         """A CPU engine's resident 16-bit experts: w13 and w2 repacked for the fp16-weight GEMM
         (triton_kernels/cpu_matmul.py PackedExperts), replacing the stacked tensors (the same
-        bytes). Returns the bytes packed (0: a quantized layout, float32, or outside float16's
-        range)."""
-        if isinstance(self._layout, QuantExpertLayout) or not all(
-                tk.packable(getattr(self, n)) for n in ("w13", "w2")):
-            return 0
+        bytes). packed: the host store's already packed bank (ExpertStore.pack_cpu), whose
+        tensors these parameters were. Returns the bytes packed (0: a quantized layout,
+        float32, or outside float16's range)."""
+        if packed is None:
+            if isinstance(self._layout, QuantExpertLayout) or not all(
+                    tk.packable(getattr(self, n)) for n in ("w13", "w2")):
+                return 0
+            packed = {name: tk.PackedExperts(getattr(self, name).data) for name in ("w13", "w2")}
         self.layout                             # the layout in the cast dtype, before w13 goes
         for name in ("w13", "w2"):
-            packed = tk.PackedExperts(getattr(self, name).data)
             delattr(self, name)
-            setattr(self, name, packed)         # a plain attribute: bank() hands it to the MoE
+            setattr(self, name, packed[name])   # a plain attribute: bank() hands it to the MoE
         return self.w13.nbytes + self.w2.nbytes
 
     def finish_load(self) -> int:
