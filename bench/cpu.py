@@ -6,6 +6,7 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py --llama-bench /path/llama-bench   # + llama.cpp on a GGUF of them
     python bench/cpu.py --quick                           # a small shape, seconds
     python bench/cpu.py --quant fp8,nvfp4,int4 --llama-quant q8_0   # + quantized arms
+    python bench/cpu.py --unpacked                        # + FreeToken without fp16 packing
 
 The checkpoint (tools/make_tiny_model.py's generator, random weights: hidden 1024, 12 layers,
 16/4 heads of 64, 64 experts, top-8, expert width 256, vocab 32768) is built on the spot.
@@ -140,6 +141,18 @@ class TransformersArm:
         return PREFILL / min(_seconds(lambda: self.model(ids)) for _ in range(2))
 
 
+def unpacked_arm(model_dir, dtype, vocab) -> FreeTokenArm:
+    """The same engine with the model runner's pack_for_cpu step skipped: every projection
+    is the loaded 16-bit tensor alone (torch's bf16 products)."""
+    import freetoken.engine.model_runner as model_runner
+    pack = model_runner.pack_for_cpu
+    model_runner.pack_for_cpu = lambda model: 0
+    try:
+        return FreeTokenArm(model_dir, dtype, vocab, name="freetoken-unpacked")
+    finally:
+        model_runner.pack_for_cpu = pack
+
+
 def active_bytes_per_token(model_dir, dtype) -> tuple[int, int]:
     """(bytes read per decode token at batch 1, total weight bytes), off the meta-built model."""
     from freetoken.models.loader import init_model
@@ -228,6 +241,8 @@ def main(argv=None) -> int:
                    "a FreeToken arm each (qwen3_moe: fp8, fp8-channel, nvfp4, int4, int4-awq)")
     p.add_argument("--llama-quant", default="", help="comma-separated GGUF types for llama.cpp "
                    "arms beside --dtype's (the converter's --outtype: q8_0)")
+    p.add_argument("--unpacked", action="store_true", help="add a FreeToken arm without the "
+                   "fp16-packed CPU projections (torch's bf16 products)")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
@@ -245,6 +260,9 @@ def main(argv=None) -> int:
         report.update(active_bytes_per_token=active, weight_bytes=total)
         actives = {"freetoken": active}
         arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"])]
+        if args.unpacked:
+            arms.append(unpacked_arm(model_dir, args.dtype, shape["vocab_size"]))
+            actives["freetoken-unpacked"] = active
         for q in quants:
             from freetoken.models.quant.encode import quantize_checkpoint
             qdir = Path(tmp) / f"model-{q}"

@@ -1,7 +1,7 @@
 """16-bit CPU projections (triton_kernels/cpu_matmul.py): widened to float32 for many rows
 (the same product as F.linear up to the order of the float32 sums, chosen from WIDE_ROWS
-rows) and the MoE reference's prefill form against its 16-bit loop; fp16-packed weights and
-experts (a CPU engine's), against the float64 product and the stacked tensors."""
+rows) and the MoE reference's prefill form against its 16-bit loop; fp16-packed weights (a CPU
+engine's projections), against the float64 product and the unpacked model."""
 
 import pytest
 import torch
@@ -88,82 +88,27 @@ def test_what_packs():
     assert not tk.packable(torch.empty(8, 16, dtype=torch.bfloat16, device="meta"))
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_packed_experts_equal_the_stacked_ones(tokens):
-    """fused_moe_reference over PackedExperts (one token; the grouped order at any row count)
-    against the stacked bf16 tensors' loop: the same sums within bf16 rounding, with a slot map
-    and biases."""
-    g = torch.Generator().manual_seed(3)
-    d, i, e, k = 64, 24, 6, 2
-    x = torch.randn(tokens, d, generator=g).bfloat16()
-    w13 = (torch.randn(e, 2 * i, d, generator=g) / 8).bfloat16()
-    w2 = (torch.randn(e, d, i, generator=g) / 5).bfloat16()
-    b13, b2 = torch.randn(e, 2 * i, generator=g).bfloat16(), torch.randn(e, d, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(5, generator=g)[:k] for _ in range(tokens)]).int()
-    weights = torch.rand(tokens, k, generator=g)
-    slot_map = torch.tensor([4, 0, 5, 1, 3, 2], dtype=torch.int32)
-    p13, p2 = tk.PackedExperts(w13), tk.PackedExperts(w2)
-    assert len(p13) == e and p13.shape == tuple(w13.shape) and p13.nbytes == w13.numel() * 2
-    got = fused_moe_reference(x, p13, p2, weights, ids, slot_map, b13=b13, b2=b2)
-    want = _moe_loop_torch(x, w13, w2, weights, ids, slot_map, b13, b2, SILU)
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
-    exact = _moe_loop_torch(x.double(), w13.double(), w2.double(), weights.double(), ids,
-                            slot_map, b13.double(), b2.double(), SILU)
-    assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 0.05
-
-
-def test_cpu_engine_packs_its_projections_and_experts(tiny_model_dir):  # noqa: F811
-    """A bf16 model on the CPU: every Linear carries its packed copy, the resident experts are
-    repacked in place (the stacked tensors gone), and greedy decoding follows the unpacked
-    model's logits within bf16 rounding."""
-    from freetoken import LLM, SamplingParams
+def test_cpu_engine_packs_its_projections(tiny_model_dir):  # noqa: F811
+    """A bf16 model on the CPU: every Linear carries a packed copy beside its weight, used
+    from 2 rows (one row stays the bf16 product); the experts stay stacked tensors; the
+    logits of a prompt (its rows through the packed copies) follow the unpacked model's
+    within bf16 rounding."""
+    from freetoken import LLM
     from freetoken.models.layers.linear import Linear
-    path = tiny_model_dir("qwen3_moe")
-    llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16")
+    llm = LLM(str(tiny_model_dir("qwen3_moe")), skip_tokenizer_init=True, dtype="bfloat16")
     model = llm.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is not None for m in linears)
-    banks = [b.experts for b in model.moe_blocks().values()]
-    assert banks and all(isinstance(b.w13, tk.PackedExperts) and "w13" not in dict(b.named_parameters())
-                         for b in banks)
+    assert linears and all(m.packed is not None and m.weight.dtype == torch.bfloat16
+                           for m in linears)
+    assert all(isinstance(b.experts.w13, torch.nn.Parameter) for b in model.moe_blocks().values())
+    q = linears[0]
+    one, rows = torch.randn(1, q.in_features).bfloat16(), torch.randn(3, q.in_features).bfloat16()
+    assert torch.equal(q(one), F.linear(one, q.weight, q.bias))
+    assert torch.equal(q(rows), q.packed(rows))
     ids = [5, 17, 99, 3, 200, 7, 8, 45, 11]
     packed_logits = llm.logits(ids)
-    for m in linears:                                               # the same model, unpacked
+    for m in linears:
         m.packed = None
-    for b in banks:
-        for name in ("w13", "w2"):
-            setattr(b, name, torch.stack([_unpack(p) for p in getattr(b, name).experts]))
-    plain_logits = llm.logits(ids)
-    torch.testing.assert_close(packed_logits, plain_logits, atol=0.06, rtol=0.03)
-    out = llm.generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    assert len(out[0].token_ids) == 6
-
-
-def _unpack(p: tk.Fp16Weight) -> torch.Tensor:
-    """The packed weight back as [N, K] in its dtype: the product with the identity."""
-    eye = torch.eye(p.in_features)
-    return (torch.fbgemm_linear_fp16_weight(eye, p.packed, torch.zeros(p.out_features)).T
-            .to(p.dtype))
-
-
-def test_cpu_expert_layers_are_packed_in_the_store(tiny_model_dir):  # noqa: F811
-    """Experts in host RAM that only the CPU computes (moe_backend=cpu, moe_cpu_layers) are
-    packed in the store in place, and the model's banks point at the packed objects: the
-    CPU backend then gives the resident (packed) model's logits. Fetched layers stay stacked
-    tensors (the fetcher copies them)."""
-    from freetoken import LLM
-    path = str(tiny_model_dir("qwen3_moe"))
-    ids = [5, 17, 99, 3, 200, 7, 8, 45, 11]
-    want = LLM(path, skip_tokenizer_init=True, dtype="bfloat16").logits(ids)
-    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", moe_backend="cpu")
-    store, blocks = llm.runner.expert_store, llm.runner.model.moe_blocks()
-    assert store.layers and all(isinstance(store.bank(i)["w13"], tk.PackedExperts)
-                                and blocks[i].experts.w13 is store.bank(i)["w13"]
-                                for i in store.layers)
-    torch.testing.assert_close(llm.logits(ids), want, atol=0, rtol=0)
-    mixed = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", moe_backend="offload",
-                moe_cpu_layers="1")
-    banks, (cpu,) = mixed.runner.expert_store.banks, mixed.runner.moe_report()["cpu_layers"]
-    assert all(isinstance(b["w2"], tk.PackedExperts) == (i == cpu) for i, b in banks.items())
-    torch.testing.assert_close(mixed.logits(ids), want, atol=0.06, rtol=0.03)
+    torch.testing.assert_close(packed_logits, llm.logits(ids), atol=0.06, rtol=0.03)
+    f32 = LLM(str(tiny_model_dir("qwen3_moe")), skip_tokenizer_init=True, dtype="float32")
+    assert all(m.packed is None for m in f32.runner.model.modules() if isinstance(m, Linear))

@@ -31,10 +31,10 @@ from triton_kernels.dequant import (QuantFormat, dequantize_reference, fused_moe
                                     fused_moe_quant_reference, quant_linear,
                                     quant_linear_reference)
 from triton_kernels.dequant_cpu import fused_moe_quant_cpu, quant_linear_cpu
-from triton_kernels.cpu_matmul import Fp16Weight, PackedExperts, linear, packable
+from triton_kernels.cpu_matmul import Fp16Weight, linear, packable
 
 __all__ = [
-    "linear", "Fp16Weight", "PackedExperts", "packable",
+    "linear", "Fp16Weight", "packable",
     "kernel_backend", "check_backend", "get_backend", "fixed_configs_scope",
     "rms_norm", "rms_norm_reference",
     "apply_rope", "apply_rope_reference",

@@ -9,16 +9,18 @@ so from WIDE_ROWS rows on the weight is widened, a tile of rows at a time. Both 
 output to x's dtype once; the sums run in other orders, so the bits differ in the last place.
 On the GPU and in float32 this is F.linear.
 
-Packed weights (Fp16Weight, PackedExperts), for a model that runs on the CPU: torch's
+Packed weights (Fp16Weight), for the projections of a model that runs on the CPU: torch's
 fp16-weight GEMM (FBGEMM, the kernel behind dynamic fp16 quantization: 2-byte weights widened
 in registers, float32 activations and sums) is the fastest 16-bit product torch has on AVX2
-at every row count. Measured on the 2-core EPYC, weights cold in DRAM, against the bf16
-product (and the widened one from 12 rows): 1 row 0.8-1.5x (a [3072, 1024] projection 1.5x,
-a [1024, 256] expert 0.8-1.1x), 2 rows 1.4-1.8x, 8 rows 3-5x, 16 rows 3.3-6x, 64 rows
-1.5-1.9x, 512 rows 0.9-1.8x. A bfloat16 weight converts to float16 exactly where
-2^-14 <= |w| <= 65504 (float16 has more mantissa bits); smaller weights lose bits, at most
-2^-25 in absolute value (bfloat16's own rounding of a weight of 0.05 is 2^-13). A weight with
-|w| > 65504 (float16's range) is not packed.
+from 2 rows up. Measured on the 2-core EPYC against the bf16 product (and the widened one
+from 12 rows): 2 rows 1.4-1.8x, 8 rows 3-5x, 16 rows 2.6-3.8x, 64 rows 1.5-1.9x, 512 rows
+1.2-1.8x (a 32k-row lm_head 0.9x; prefill takes only the last rows' logits). At one row it
+is 0.85x on large weights cold in DRAM, so one row stays the bf16 product. The MoE experts are
+not packed: one layer through it was 0.84x the stacked bf16 experts at 1 token, 0.91x at 8
+and 512, 1.14x at 16 (torch's grouped bf16 product and the widened loop hold their own). A
+bfloat16 weight converts to float16 exactly where 2^-14 <= |w| <= 65504 (float16 has more
+mantissa bits); smaller weights lose bits, at most 2^-25 in absolute value (bfloat16's own
+rounding of a weight of 0.05 is 2^-13). A weight with |w| > 65504 is not packed.
 """
 
 from __future__ import annotations
@@ -80,28 +82,10 @@ def packable(weight: torch.Tensor) -> bool:
             and bool(weight.abs().max() <= FP16_MAX))
 
 
-class PackedExperts:
-    """A layer's experts' w13 or w2 ([E, N, K]) as E Fp16Weights: what fused_moe_reference
-    indexes by slot in place of the stacked tensor (the tensor is freed: the same bytes)."""
-
-    def __init__(self, stacked: torch.Tensor):
-        self.shape, self.dtype, self.device = tuple(stacked.shape), stacked.dtype, stacked.device
-        self.experts = [Fp16Weight(w) for w in stacked]
-        self.nbytes = sum(w.nbytes for w in self.experts)
-
-    def __getitem__(self, slot: int) -> Fp16Weight:
-        return self.experts[slot]
-
-    def __len__(self) -> int:
-        return len(self.experts)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor | Fp16Weight, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            wide: bool | None = None) -> torch.Tensor:
     """F.linear(x [.., K], weight [N, K], bias) in x's dtype; wide: widen (None: decide by
-    x's rows, see widens). A packed weight carries its own bias."""
-    if isinstance(weight, Fp16Weight):
-        return weight(x)
+    x's rows, see widens)."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if not (widens(rows) if wide is None else wide):
         return F.linear(x, weight, bias)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
-from triton_kernels.cpu_matmul import PackedExperts, linear, widens
+from triton_kernels.cpu_matmul import linear, widens
 from triton_kernels.moe_align import moe_align
 
 
@@ -81,8 +81,7 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # Elsewhere the loop (grouped_mm wants bf16 and aligned strides on CUDA). The loop and
     # the grouped call give the same bits: the same matmuls per expert, summed in the same
     # order. grouped_mm also wants rows of a multiple of 16 bytes (real widths are; odd test
-    # ones not). Packed experts (one Fp16Weight per slot) take the grouped form's order with
-    # one packed product per used slot.
+    # ones not).
     row_bytes = (x.shape[1], w2.shape[2])
     aligned = all(n * x.element_size() % 16 == 0 for n in row_bytes)
     if x.device.type != "cpu" or not topk_ids.numel():
@@ -90,9 +89,6 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if x.shape[0] == 1:
         return _moe_one_token_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
                                     activation)
-    if isinstance(w13, PackedExperts):     # fp16-packed experts (cpu_matmul.py): any row count
-        return _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
-                                  activation)
     used = (topk_ids if slot_map is None else slot_map[topk_ids]).unique()
     if widens(x, rows=topk_ids.numel() / used.numel()):
         return _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
@@ -136,13 +132,13 @@ def _moe_one_token_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, 
     order = sorted(range(len(ids)), key=ids.__getitem__)          # ascending id, as the loop
     table = None if slot_map is None else slot_map.tolist()
     slots = [ids[j] if table is None else table[ids[j]] for j in order]
-    gate_up = [linear(x, w13[s]) for s in slots]                  # k x [1, 2I]
+    gate_up = [F.linear(x, w13[s]) for s in slots]                # k x [1, 2I]
     if b13 is not None:
         gate_up = [g + b13[s] for g, s in zip(gate_up, slots)]
     # One activation per expert, on the loop's [1, I] views: torch's float32 sigmoid gives
     # other bits on other layouts (a stacked [k, 1, I] is vectorized differently).
     act = [_activate(*g.chunk(2, dim=-1), activation) for g in gate_up]
-    h = torch.stack([linear(a, w2[s]) for a, s in zip(act, slots)])          # [k, 1, D]
+    h = torch.stack([F.linear(a, w2[s]) for a, s in zip(act, slots)])        # [k, 1, D]
     if b2 is not None:
         h = h + b2[slots][:, None]
     h = (h * topk_weights[0, order][:, None, None].to(h.dtype)).to(x.dtype)
@@ -165,11 +161,11 @@ def _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, ac
     lo, hi = int(slot_sorted[0]), int(slot_sorted[-1])
     offs = torch.bincount(slot_sorted - lo, minlength=hi - lo + 1).cumsum(0).to(torch.int32)
     h = x[by_slot // k]                                                     # [P, D]
-    gate_up = _grouped_linear(h, w13, lo, offs)                              # [P, 2I]
+    gate_up = F.grouped_mm(h, w13[lo:hi + 1].transpose(1, 2), offs=offs)    # [P, 2I]
     if b13 is not None:
         gate_up = gate_up + b13[slot_sorted]
     gate, up = gate_up.chunk(2, dim=-1)
-    h = _grouped_linear(_activate(gate, up, activation), w2, lo, offs)
+    h = F.grouped_mm(_activate(gate, up, activation), w2[lo:hi + 1].transpose(1, 2), offs=offs)
     if b2 is not None:
         h = h + b2[slot_sorted]
     h = (h * topk_weights.reshape(-1)[by_slot, None].to(h.dtype)).to(x.dtype)
@@ -183,19 +179,6 @@ def _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, ac
     for j in range(1, k):
         out += rows[:, j]
     return out
-
-
-def _grouped_linear(h, w, lo, offs):
-    """h [P, K], rows grouped by slot (offs: each slot's end row, slots lo..) -> [P, N]:
-    each group @ w[slot]^T, as one F.grouped_mm, or one packed product per non-empty group."""
-    if not isinstance(w, PackedExperts):
-        return F.grouped_mm(h, w[lo:lo + offs.numel()].transpose(1, 2), offs=offs)
-    parts, start = [], 0
-    for j, end in enumerate(offs.tolist()):
-        if end > start:
-            parts.append(w[lo + j](h[start:end]))
-        start = end
-    return torch.cat(parts)
 
 
 # Autotune keys. Token counts map to a power-of-two bucket (capped), never the raw count, so

@@ -74,16 +74,12 @@ class ModelRunner:
         load_weights(model, checkpoint_files(self.model_dir), progress)
         self.model = model.eval().requires_grad_(False)
         if self.device.type == "cpu":
-            dense, banks = pack_for_cpu(self.model, experts=self.expert_store is None)
-            if dense or banks:
+            packed = pack_for_cpu(self.model)
+            if packed:
                 log.info("CPU: projections packed for the fp16-weight GEMM (%.1f MiB beside "
-                         "them), resident experts repacked in place (%.1f MiB)",
-                         dense / 2**20, banks / 2**20)
+                         "their weights)", packed / 2**20)
         if self.expert_store is not None:
             self.moe = self._moe_runtime(blocks)
-            # Layers only the CPU computes: packed for its fp16-weight GEMM, as a CPU engine's.
-            for i in self.expert_store.pack_cpu(self.moe_plan.cpu_layers):
-                blocks[i].experts.pack_cpu(self.expert_store.bank(i))
         elif config.moe.trace_path:
             log.warning("moe_trace=%s records nothing: every expert stays on the device (%s); "
                         "a trace needs experts in host RAM (e.g. moe_backend=offload)",
@@ -143,8 +139,7 @@ class ModelRunner:
             raise NotImplementedError("experts off the device need every MoE layer to share one "
                                       "expert layout and count (one slot pool serves them all)")
         return ExpertStore(tuple(blocks), first.num_experts, first.layout,
-                           pin=self.device.type == "cuda", pin_budget_bytes=budget,
-                           unpinned=self.moe_plan.cpu_layers)
+                           pin=self.device.type == "cuda", pin_budget_bytes=budget)
 
     def _moe_runtime(self, blocks) -> MoeRuntime:
         # Prefetch guesses: a layer's own route() on the previous layer's hidden state ->

@@ -17,7 +17,6 @@ import weakref
 
 import torch
 
-import triton_kernels as tk
 from freetoken.moe.layout import ExpertLayout
 from freetoken.moe.plan import GiB, MoePlanError
 from freetoken.utils.memory import host_available_bytes
@@ -33,10 +32,9 @@ def default_pin_budget(available: int) -> int:
 class ExpertStore:
     def __init__(self, layers: tuple[int, ...], num_experts: int, layout: ExpertLayout,
                  pin: bool = False, pin_budget_bytes: int | None = None,
-                 available_bytes: int | None = None, unpinned: tuple[int, ...] = ()):
+                 available_bytes: int | None = None):
         """pin: page-lock within pin_budget_bytes (None: DEFAULT_PIN_FRACTION of free RAM);
-        only meaningful with CUDA. available_bytes: host RAM free (None: /proc/meminfo).
-        unpinned: layers never fetched (the plan's CPU layers), left pageable for pack_cpu."""
+        only meaningful with CUDA. available_bytes: host RAM free (None: /proc/meminfo)."""
         self.layers = tuple(layers)
         self.num_experts, self.layout = num_experts, layout
         self.hidden, self.width, self.dtype = layout.hidden, layout.width, layout.dtype
@@ -54,8 +52,7 @@ class ExpertStore:
         self._registered: list[int] = []
         for layer in self.layers:
             self.banks[layer] = layout.empty(num_experts)
-            self.pinned[layer] = (layer not in unpinned
-                                  and self.pinned_bytes + self.layer_bytes <= self.pin_budget_bytes
+            self.pinned[layer] = (self.pinned_bytes + self.layer_bytes <= self.pin_budget_bytes
                                   and self._pin(layer))
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         if pin:
@@ -70,23 +67,6 @@ class ExpertStore:
     def bank(self, layer: int) -> dict[str, torch.Tensor]:
         """{tensor name: [E, *shape]} of one layer's experts, in host RAM."""
         return self.banks[layer]
-
-    def pack_cpu(self, layers: tuple[int, ...]) -> list[int]:
-        """Layers whose experts only the CPU computes (never fetched, so never pinned): their
-        16-bit w13 and w2 repacked in place for the fp16-weight CPU GEMM
-        (triton_kernels/cpu_matmul.py PackedExperts: the same bytes, 1.2-5x the bf16 product
-        at decode batches). A quantized layout, float32, or a pinned layer stays as it is.
-        Returns the layers packed."""
-        done = []
-        for layer in layers:
-            bank = self.banks[layer]
-            if self.pinned[layer] or set(bank) - {"w13", "w2", "b13", "b2"} or not all(
-                    tk.packable(bank[n]) for n in ("w13", "w2")):
-                continue
-            for name in ("w13", "w2"):
-                bank[name] = tk.PackedExperts(bank[name])
-            done.append(layer)
-        return done
 
     def _pin(self, layer: int) -> bool:
         """Page-lock a layer's bank in place; False (and pageable) if the driver refuses."""

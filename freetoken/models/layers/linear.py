@@ -2,7 +2,8 @@
 
 Linear is nn.Linear (same parameters, same checkpoint names) whose forward is tk.linear:
 F.linear, except on the CPU where a 16-bit weight is widened for products of many rows
-(triton_kernels/cpu_matmul.py: a prefill chunk's projections run 6x faster on AVX2).
+(triton_kernels/cpu_matmul.py: a prefill chunk's projections run 6x faster on AVX2), or, in a
+model the runner packed for the CPU (pack_for_cpu), its fp16-packed copy from 2 rows up.
 
 QuantLinear: a projection whose weight stays in its checkpoint's quantized format.
 
@@ -30,27 +31,24 @@ class Linear(nn.Linear):
 
     def pack_cpu(self) -> int:
         """Keep a copy of the 16-bit weight packed for the CPU's fp16-weight GEMM (the weight
-        stays: embeddings tied to lm_head, MLA's folded kv_b_proj read it). Returns its bytes."""
+        stays: one row is faster through it, and tied embeddings and MLA's folded kv_b_proj
+        read it). Returns the copy's bytes."""
         if not tk.packable(self.weight):
             return 0
         self.packed = tk.Fp16Weight(self.weight, self.bias)
         return self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.numel() > x.shape[-1]:      # 2 rows and more
             return self.packed(x)
         return tk.linear(x, self.weight, self.bias)
 
 
-def pack_for_cpu(model: nn.Module, experts: bool) -> tuple[int, int]:
-    """A model that runs on the CPU in 16 bits: every Linear gains an fp16-packed copy, and
-    (experts) the resident expert banks are repacked in place (triton_kernels/cpu_matmul.py:
-    the fastest 16-bit product torch has on AVX2, 1.5-5x the bf16 one at decode batches).
-    Returns (dense bytes added, expert bytes repacked)."""
-    from freetoken.models.layers.moe import ExpertBank      # moe imports this module
-    dense = sum(m.pack_cpu() for m in model.modules() if isinstance(m, Linear))
-    banks = sum(m.pack_cpu() for m in model.modules() if experts and isinstance(m, ExpertBank))
-    return dense, banks
+def pack_for_cpu(model: nn.Module) -> int:
+    """A model that runs on the CPU in 16 bits: every Linear gains an fp16-packed copy of its
+    weight (triton_kernels/cpu_matmul.py: 1.4-5x torch's bf16 product from 2 rows, decode
+    batches and prefill chunks). Returns the bytes added (the dense weights' size again)."""
+    return sum(m.pack_cpu() for m in model.modules() if isinstance(m, Linear))
 
 
 class QuantLinear(nn.Module):

@@ -13,8 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import triton_kernels as tk
-
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.router import Router
 from freetoken.moe.layout import ExpertLayout
@@ -89,23 +87,6 @@ class ExpertBank(nn.Module):
                              f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
         return name
-
-    def pack_cpu(self, packed: dict | None = None) -> int:
-        """A CPU engine's resident 16-bit experts: w13 and w2 repacked for the fp16-weight GEMM
-        (triton_kernels/cpu_matmul.py PackedExperts), replacing the stacked tensors (the same
-        bytes). packed: the host store's already packed bank (ExpertStore.pack_cpu), whose
-        tensors these parameters were. Returns the bytes packed (0: a quantized layout,
-        float32, or outside float16's range)."""
-        if packed is None:
-            if isinstance(self._layout, QuantExpertLayout) or not all(
-                    tk.packable(getattr(self, n)) for n in ("w13", "w2")):
-                return 0
-            packed = {name: tk.PackedExperts(getattr(self, name).data) for name in ("w13", "w2")}
-        self.layout                             # the layout in the cast dtype, before w13 goes
-        for name in ("w13", "w2"):
-            delattr(self, name)
-            setattr(self, name, packed[name])   # a plain attribute: bank() hands it to the MoE
-        return self.w13.nbytes + self.w2.nbytes
 
     def finish_load(self) -> int:
         """NVFP4: w13 holds one global scale per expert, the checkpoint one for gate and one for
