@@ -55,7 +55,7 @@ class Fp16Weight:
 
     The entry point is torch.fbgemm_linear_fp16_weight: torch.ops.quantized.linear_dynamic_fp16
     is the same GEMM, but its packed argument is a TorchScript object, and that op costs ~20 us
-    of Python dispatch a call against ~4 (a batch-1 decode step makes ~260 of them). torch
+    of Python dispatch a call against ~4 (a decode step makes hundreds of them). torch
     marks the entry point deprecated, with a one-time warning, which the first (packing) call
     takes in silence."""
 
