@@ -58,7 +58,7 @@ def test_moe_prefill_widens_each_expert(act):
     torch.testing.assert_close(got.float(), narrow.float(), atol=0.1, rtol=0.02)
 
 
-# -- fp16-packed weights (a CPU engine's projections and resident experts) ----------------------
+# -- fp16-packed weights (a CPU engine's projections) ------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_weight_is_the_float32_product_rounded_once(dtype):
     g = torch.Generator().manual_seed(2)
