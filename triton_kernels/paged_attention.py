@@ -81,8 +81,10 @@ def _key_blocks(tables, lens: list[int], first: list[int], bs: int):
 
 
 def _gather_kv(cache, blocks):
-    """[B, NB] block ids -> [B, NB*BS, Hk, D] keys or values."""
-    return cache[blocks].flatten(1, 2)
+    """[B, NB] block ids -> [B, NB*BS, Hk, D] keys or values (index_select: ~4x cheaper on
+    the CPU than indexing with the 2-D tensor)."""
+    b, nb = blocks.shape
+    return cache.index_select(0, blocks.reshape(-1)).view(b, nb * cache.shape[1], *cache.shape[2:])
 
 
 def _softmax_with_sinks(scores, sinks):
@@ -96,19 +98,34 @@ def _softmax_with_sinks(scores, sinks):
 
 def _decode_batch(q, k_cache, v_cache, tables, lens: list[int], scale: float, window, sinks):
     # q [B, Hq, Dk]; keys of each sequence's window (all of it without one), padded to the
-    # longest span and masked past each one's length.
+    # longest span and masked past each one's length. The CPU serves decode with this: the
+    # keys are widened to float32 once and go through torch's fused CPU attention (SDPA; its
+    # bf16 products on AVX2 cost 2-3x more than widening first); scores, softmax and the
+    # value sums in float32, rounded once. The mask is dropped where every key is visible.
     b, hq, dk = q.shape
     hk = k_cache.shape[2]
     first = [max(0, n - window) if window else 0 for n in lens]
     blocks, _, valid = _key_blocks(tables, lens, first, k_cache.shape[1])   # valid [B, L]
-    k = _gather_kv(k_cache, blocks).to(q.dtype)                   # [B, L, Hk, Dk]
-    v = _gather_kv(v_cache, blocks).to(q.dtype)                   # [B, L, Hk, Dv]
-    qg = q.view(b, hk, hq // hk, dk)                              # [B, Hk, G, Dk]
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale       # [B, Hk, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    sink = None if sinks is None else sinks.view(hk, hq // hk)
-    probs = _softmax_with_sinks(scores.float(), sink).to(q.dtype)
-    return torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(b, hq, v.shape[-1])
+    k = _gather_kv(k_cache, blocks)                               # [B, L, Hk, Dk]
+    v = _gather_kv(v_cache, blocks)                               # [B, L, Hk, Dv]
+    if not window:                       # keys 0..max(lens)-1 lead: the tail is padding
+        n = max(lens)
+        k, v, valid = k[:, :n], v[:, :n], valid[:, :n]
+    mask = None if not window and min(lens) == max(lens) else valid
+    k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()   # [B, Hk, L, D]
+    qf = q.float()
+    if sinks is None:
+        o = F.scaled_dot_product_attention(
+            qf[:, :, None], k, v, scale=scale, enable_gqa=True,
+            attn_mask=None if mask is None else mask[:, None, None, :])[:, :, 0]
+    else:                                # SDPA has no sink logit: the same math spelled out
+        qg = qf.view(b, hk, hq // hk, dk)                         # [B, Hk, G, Dk]
+        scores = torch.matmul(qg, k.transpose(2, 3)) * scale      # [B, Hk, G, L]
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = _softmax_with_sinks(scores, sinks.view(hk, hq // hk))
+        o = torch.matmul(probs, v).reshape(b, hq, v.shape[-1])
+    return o.to(q.dtype)
 
 
 def _prefill_one(q, k_cache, v_cache, table, ctx: int, scale: float, window, sinks):
