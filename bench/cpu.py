@@ -6,7 +6,7 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py --llama-bench /path/llama-bench   # + llama.cpp on a GGUF of them
     python bench/cpu.py --quick                           # a small shape, seconds
     python bench/cpu.py --quant fp8,nvfp4,int4 --llama-quant q8_0   # + quantized arms
-    python bench/cpu.py --unpacked                        # + FreeToken without fp16 packing
+    python bench/cpu.py --unpacked                        # + FreeToken without CPU packing
 
 The checkpoint (tools/make_tiny_model.py's generator, random weights: hidden 1024, 12 layers,
 16/4 heads of 64, 64 experts, top-8, expert width 256, vocab 32768) is built on the spot.
@@ -141,16 +141,19 @@ class TransformersArm:
         return PREFILL / min(_seconds(lambda: self.model(ids)) for _ in range(2))
 
 
-def unpacked_arm(model_dir, dtype, vocab) -> FreeTokenArm:
-    """The same engine with the model runner's pack_for_cpu step skipped: every projection
-    is the loaded 16-bit tensor alone (torch's bf16 products)."""
+def unpacked_arm(model_dir, dtype, vocab, name="freetoken-unpacked") -> FreeTokenArm:
+    """The same engine with the model runner's CPU packing skipped: every projection is the
+    loaded 16-bit tensor alone (torch's bf16 products), INT4 weights and experts are decoded
+    a tile at a time (dequant_cpu.py) rather than run through torch's int4 GEMM."""
     import freetoken.engine.model_runner as model_runner
-    pack = model_runner.pack_for_cpu
+    from freetoken.models.layers.moe import ExpertBank
+    pack, pack_experts = model_runner.pack_for_cpu, ExpertBank.pack_cpu
     model_runner.pack_for_cpu = lambda model: 0
+    ExpertBank.pack_cpu = lambda self, packed=None: 0
     try:
-        return FreeTokenArm(model_dir, dtype, vocab, name="freetoken-unpacked")
+        return FreeTokenArm(model_dir, dtype, vocab, name=name)
     finally:
-        model_runner.pack_for_cpu = pack
+        model_runner.pack_for_cpu, ExpertBank.pack_cpu = pack, pack_experts
 
 
 def active_bytes_per_token(model_dir, dtype) -> tuple[int, int]:
@@ -241,8 +244,8 @@ def main(argv=None) -> int:
                    "a FreeToken arm each (qwen3_moe: fp8, fp8-channel, nvfp4, int4, int4-awq)")
     p.add_argument("--llama-quant", default="", help="comma-separated GGUF types for llama.cpp "
                    "arms beside --dtype's (the converter's --outtype: q8_0)")
-    p.add_argument("--unpacked", action="store_true", help="add a FreeToken arm without the "
-                   "fp16-packed CPU projections (torch's bf16 products)")
+    p.add_argument("--unpacked", action="store_true", help="add FreeToken arms without the "
+                   "CPU packing (fp16 projections, INT4 GEMM): one beside each packed arm")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
@@ -270,6 +273,10 @@ def main(argv=None) -> int:
             quantize_checkpoint(qdir, q)
             actives[f"freetoken-{q}"] = active_bytes_per_token(qdir, args.dtype)[0]
             arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"], name=f"freetoken-{q}"))
+            if args.unpacked:
+                arms.append(unpacked_arm(qdir, args.dtype, shape["vocab_size"],
+                                         name=f"freetoken-{q}-unpacked"))
+                actives[f"freetoken-{q}-unpacked"] = actives[f"freetoken-{q}"]
         if not args.skip_transformers:
             arms.append(TransformersArm(model_dir, args.dtype, shape["vocab_size"]))
         figures = [f"decode_b{b}" for b in BATCHES] + ["prefill"]

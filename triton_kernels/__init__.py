@@ -32,6 +32,7 @@ from triton_kernels.dequant import (QuantFormat, dequantize_reference, fused_moe
                                     quant_linear_reference)
 from triton_kernels.dequant_cpu import fused_moe_quant_cpu, quant_linear_cpu
 from triton_kernels.cpu_matmul import Fp16Weight, linear, packable
+from triton_kernels.int4_cpu import Int4Packed, fused_moe_int4_cpu, packable_int4
 
 __all__ = [
     "linear", "Fp16Weight", "packable",
@@ -50,4 +51,5 @@ __all__ = [
     "mla_attention", "mla_attention_reference", "write_latent", "write_latent_reference",
     "QuantFormat", "dequantize_reference", "quant_linear", "quant_linear_reference",
     "fused_moe_quant", "fused_moe_quant_reference", "fused_moe_quant_cpu", "quant_linear_cpu",
+    "Int4Packed", "fused_moe_int4_cpu", "packable_int4",
 ]

@@ -29,6 +29,7 @@ from triton_kernels.dequant import (QuantFormat, _check_linear, _check_moe, _exp
                                     dequantize_reference, e8m0_to_float, weight_shape)
 from triton_kernels.cpu_matmul import widens
 from triton_kernels.fused_moe import SILU, MoeActivation, _activate
+from triton_kernels.int4_cpu import Int4Packed, fused_moe_int4_cpu
 
 
 F32_E4M3 = 2.0 ** 120     # an e4m3 byte's bits moved into float32's give its value / 2^120
@@ -176,7 +177,11 @@ def fused_moe_quant_cpu(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, 
                         b13=None, b2=None, activation: MoeActivation = SILU,
                         decoder: Decoder | None = None):
     """fused_moe_quant_reference's result, each routed expert decoded once into `decoder`'s
-    buffers (a fresh Decoder when None) and its tokens run through two matmuls."""
+    buffers (a fresh Decoder when None) and its tokens run through two matmuls. Banks packed
+    for the CPU (int4_cpu.Int4Packed) run torch's int4 GEMM instead."""
+    if isinstance(w13, Int4Packed):          # a bank only the CPU reads, packed for it
+        return fused_moe_int4_cpu(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13,
+                                  b2=b2, activation=activation)
     _check_moe(x, fmt, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if decoder is None or decoder.dtype != x.dtype or decoder.fmt != fmt:
         decoder = Decoder(fmt, x.dtype)

@@ -76,10 +76,18 @@ class ModelRunner:
         if self.device.type == "cpu":
             packed = pack_for_cpu(self.model)
             if packed:
-                log.info("CPU: projections packed for the fp16-weight GEMM (%.1f MiB beside "
-                         "their weights)", packed / 2**20)
+                log.info("CPU: projections packed for the CPU's 16-bit or INT4 GEMM (%.1f MiB "
+                         "beside their weights)", packed / 2**20)
+            if self.expert_store is None:       # resident experts: the CPU computes them all
+                packed = sum(b.experts.pack_cpu() for b in blocks.values())
+                if packed:
+                    log.info("CPU: experts repacked for the CPU's INT4 GEMM (%.1f MiB)",
+                             packed / 2**20)
         if self.expert_store is not None:
             self.moe = self._moe_runtime(blocks)
+            # Layers only the CPU computes: packed for its INT4 GEMM, as a CPU engine's.
+            for i in self.expert_store.pack_cpu(self.moe_plan.cpu_layers):
+                blocks[i].experts.pack_cpu(self.expert_store.bank(i))
         elif config.moe.trace_path:
             log.warning("moe_trace=%s records nothing: every expert stays on the device (%s); "
                         "a trace needs experts in host RAM (e.g. moe_backend=offload)",
@@ -139,7 +147,8 @@ class ModelRunner:
             raise NotImplementedError("experts off the device need every MoE layer to share one "
                                       "expert layout and count (one slot pool serves them all)")
         return ExpertStore(tuple(blocks), first.num_experts, first.layout,
-                           pin=self.device.type == "cuda", pin_budget_bytes=budget)
+                           pin=self.device.type == "cuda", pin_budget_bytes=budget,
+                           unpinned=self.moe_plan.cpu_layers)
 
     def _moe_runtime(self, blocks) -> MoeRuntime:
         # Prefetch guesses: a layer's own route() on the previous layer's hidden state ->

@@ -91,7 +91,10 @@ class QuantExpertLayout(ExpertLayout):
 
     @staticmethod
     def weights(bank: dict[str, torch.Tensor], which: str) -> dict[str, torch.Tensor]:
-        """{"q": .., "s": ..} of "w13" or "w2" out of a bank {"w13.q": .., ...}."""
+        """{"q": .., "s": ..} of "w13" or "w2" out of a bank {"w13.q": .., ...}; or, in a bank
+        packed for the CPU (pack_int4_bank), its Int4Packed."""
+        if which in bank:
+            return bank[which]
         return {name[len(which) + 1:]: t for name, t in bank.items() if name.startswith(which + ".")}
 
     def run(self, x, bank, topk_weights, topk_ids, slot_map=None):
@@ -133,3 +136,16 @@ class QuantExpertLayout(ExpertLayout):
             dst.fill_(1 if name.endswith(".s") else 0)
             dst = dst[tuple(slice(0, w) for w in want)]
         dst.copy_(t)
+
+
+def pack_int4_bank(layout: QuantExpertLayout, bank: dict) -> dict | None:
+    """A bank only the CPU computes, {"w13.q": [E, ..], ..}, with w13 and w2 repacked for
+    torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the checkpoint's bytes, 1.8x
+    torch's bf16 product at 1 row and 3-12x the tile decode): {"w13": Int4Packed, "w2": ..,
+    biases}. None where it does not apply (not int4, not bf16, shapes the kernel refuses)."""
+    parts = {which: layout.weights(bank, which) for which in ("w13", "w2")}
+    if not all(isinstance(w, dict) and tk.packable_int4(layout.fmt, w, layout.dtype)
+               for w in parts.values()):
+        return None
+    packed = {which: tk.Int4Packed(layout.fmt, w) for which, w in parts.items()}
+    return packed | {name: t for name, t in bank.items() if name in ("b13", "b2")}

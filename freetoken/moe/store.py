@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from freetoken.moe.layout import ExpertLayout
+from freetoken.moe.quant_layout import QuantExpertLayout, pack_int4_bank
 from freetoken.moe.plan import GiB, MoePlanError
 from freetoken.utils.memory import host_available_bytes
 
@@ -32,9 +33,10 @@ def default_pin_budget(available: int) -> int:
 class ExpertStore:
     def __init__(self, layers: tuple[int, ...], num_experts: int, layout: ExpertLayout,
                  pin: bool = False, pin_budget_bytes: int | None = None,
-                 available_bytes: int | None = None):
+                 available_bytes: int | None = None, unpinned: tuple[int, ...] = ()):
         """pin: page-lock within pin_budget_bytes (None: DEFAULT_PIN_FRACTION of free RAM);
-        only meaningful with CUDA. available_bytes: host RAM free (None: /proc/meminfo)."""
+        only meaningful with CUDA. available_bytes: host RAM free (None: /proc/meminfo).
+        unpinned: layers never fetched (the plan's CPU layers), left pageable for pack_cpu."""
         self.layers = tuple(layers)
         self.num_experts, self.layout = num_experts, layout
         self.hidden, self.width, self.dtype = layout.hidden, layout.width, layout.dtype
@@ -52,7 +54,8 @@ class ExpertStore:
         self._registered: list[int] = []
         for layer in self.layers:
             self.banks[layer] = layout.empty(num_experts)
-            self.pinned[layer] = (self.pinned_bytes + self.layer_bytes <= self.pin_budget_bytes
+            self.pinned[layer] = (layer not in unpinned
+                                  and self.pinned_bytes + self.layer_bytes <= self.pin_budget_bytes
                                   and self._pin(layer))
         self._finalizer = weakref.finalize(self, _unregister, self._registered)
         if pin:
@@ -67,6 +70,21 @@ class ExpertStore:
     def bank(self, layer: int) -> dict[str, torch.Tensor]:
         """{tensor name: [E, *shape]} of one layer's experts, in host RAM."""
         return self.banks[layer]
+
+    def pack_cpu(self, layers: tuple[int, ...]) -> list[int]:
+        """Layers whose experts only the CPU computes (never fetched, so never pinned), their
+        banks repacked in place for a faster CPU product where the format has one (INT4:
+        quant_layout.pack_int4_bank). Pinned layers and other formats stay as they are.
+        Returns the layers packed."""
+        if not isinstance(self.layout, QuantExpertLayout):
+            return []
+        done = []
+        for layer in layers:
+            packed = None if self.pinned[layer] else pack_int4_bank(self.layout, self.banks[layer])
+            if packed is not None:
+                self.banks[layer] = packed
+                done.append(layer)
+        return done
 
     def _pin(self, layer: int) -> bool:
         """Page-lock a layer's bank in place; False (and pageable) if the driver refuses."""

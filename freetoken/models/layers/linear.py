@@ -48,7 +48,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     """A model that runs on the CPU in 16 bits: every Linear gains an fp16-packed copy of its
     weight (triton_kernels/cpu_matmul.py: 1.4-5x torch's bf16 product from 2 rows, decode
     batches and prefill chunks). Returns the bytes added (the dense weights' size again)."""
-    return sum(m.pack_cpu() for m in model.modules() if isinstance(m, Linear))
+    return sum(m.pack_cpu() for m in model.modules() if isinstance(m, (Linear, QuantLinear)))
 
 
 class QuantLinear(nn.Module):
@@ -56,11 +56,24 @@ class QuantLinear(nn.Module):
                  dtype: torch.dtype, scale_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.dtype = dtype                      # the compute dtype (x's, the bias's)
         self.names = tuple(p.name for p in weight_tensors(fmt, out_features, in_features, scale_dtype))
         for p in weight_tensors(fmt, out_features, in_features, scale_dtype):
             self.register_parameter(p.name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
                                                          requires_grad=False))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+        self.packed: tk.Int4Packed | None = None
+
+    def pack_cpu(self) -> int:
+        """An INT4 weight on the CPU, in bf16: keep a copy packed for torch's CPU int4 GEMM
+        (triton_kernels/int4_cpu.py; the checkpoint's tensors stay for dequantized()).
+        Returns the copy's bytes."""
+        w = self.weight_dict()
+        if not tk.packable_int4(self.fmt, w, self.dtype):
+            return 0
+        self.packed = tk.Int4Packed(self.fmt, w)
+        return self.packed.nbytes
 
     def weight_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
@@ -72,6 +85,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.packed is not None:
+            y = self.packed.linear(x.reshape(-1, shape[-1]))
+            y = y if self.bias is None else y + self.bias
+            return y.reshape(*shape[:-1], self.out_features)
         y = tk.quant_linear(x.reshape(-1, shape[-1]), self.fmt, self.weight_dict(), self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 

@@ -16,7 +16,7 @@ from torch import nn
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.router import Router
 from freetoken.moe.layout import ExpertLayout
-from freetoken.moe.quant_layout import QuantExpertLayout
+from freetoken.moe.quant_layout import QuantExpertLayout, pack_int4_bank
 
 
 class ExpertBank(nn.Module):
@@ -32,6 +32,7 @@ class ExpertBank(nn.Module):
         for part in layout.tensors:
             self.register_parameter(part.name, nn.Parameter(torch.empty(num_experts, *part.shape)))
         self.runtime = None
+        self.packed: dict | None = None         # pack_cpu's bank, when the CPU computes it
         self._pending_g: dict[tuple[int, int], float] = {}
 
     @staticmethod
@@ -58,7 +59,26 @@ class ExpertBank(nn.Module):
         return self._layout
 
     def bank(self) -> dict[str, torch.Tensor]:
+        if self.packed is not None:
+            return self.packed
         return {name: getattr(self, self.attr(name)) for name in self._layout.names}
+
+    def pack_cpu(self, packed: dict | None = None) -> int:
+        """Experts only the CPU computes, in a format it has a faster product for (INT4:
+        quant_layout.pack_int4_bank), replacing the checkpoint's tensors. packed: the host
+        store's bank, already packed (ExpertStore.pack_cpu). Returns the packed bytes (0:
+        nothing to pack)."""
+        if packed is None:
+            if not isinstance(self._layout, QuantExpertLayout):
+                return 0
+            packed = pack_int4_bank(self.layout, self.bank())
+            if packed is None:
+                return 0
+        for name in self._layout.names:
+            if name not in ("b13", "b2"):
+                delattr(self, self.attr(name))
+        self.packed = packed
+        return sum(w.nbytes for w in packed.values())
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, kind: str = "weight") -> str:
         """Copy one checkpoint tensor (`kind` weight or bias) of one expert in; returns the

@@ -1,0 +1,157 @@
+"""INT4 weights packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py).
+
+The kernel computes W' = (q - 8) * bf16(s) + bf16((8 - z) * s): checked against that product
+in float64 (the packing and the (scale, zero) pairs are right), and W' against the
+checkpoint's W = (q - z) * s within the documented bound (one bf16 rounding of s and of the
+zero). The packed experts equal fused_moe_quant_reference to bf16 precision; a bf16 CPU
+engine packs its INT4 projections and experts (resident, and the host store's CPU layers) and
+stays as close to the float32 engine as it should.
+"""
+
+import pytest
+import torch
+
+import triton_kernels as tk
+from freetoken import LLM
+from freetoken.demo.tiny_model import make_tiny_model
+from freetoken.models.layers.linear import QuantLinear
+from freetoken.models.quant.encode import quantize_checkpoint
+from test_kernels_dequant import random_weight
+from triton_kernels.dequant import QuantFormat, dequantize_reference, fused_moe_quant_reference
+from triton_kernels.fused_moe import SILU, SWIGLU_OAI
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_weight_int4pack_mm_for_cpu"),
+                                reason="this torch has no CPU int4 GEMM")
+BF16_ULP = 2.0 ** -8          # bf16's unit roundoff: a rounding's relative error at most
+
+
+def effective_weight(fmt, w):
+    """W' as the kernel forms it, in float64, from the bf16 (scale, zero) pairs."""
+    nib = torch.stack([w["q"] & 15, w["q"] >> 4], -1).flatten(-2).double()
+    s = w["s"].float()
+    zero = (8 - w["z"].float()) * s if "z" in w else torch.zeros_like(s)
+    scale = s.to(torch.bfloat16).double().repeat_interleave(fmt.group, -1)
+    zero = zero.to(torch.bfloat16).double().repeat_interleave(fmt.group, -1)
+    return (nib - 8) * scale + zero
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_packed_linear_is_the_kernels_weight(symmetric, scale_dtype, group):
+    torch.manual_seed(group)
+    fmt = QuantFormat("int4", group=group, symmetric=symmetric)
+    n, k = 48, 256
+    w = random_weight(fmt, (), n, k)
+    w["s"] = w["s"].to(scale_dtype)
+    assert tk.packable_int4(fmt, w, torch.bfloat16)
+    packed = tk.Int4Packed(fmt, w)
+    assert packed.q.shape == w["q"].shape and packed.q.dtype == torch.uint8
+    assert packed.sz.shape == (k // group, n, 2) and packed.sz.dtype == torch.bfloat16
+
+    exact = dequantize_reference(fmt, w, torch.float64)
+    eff = effective_weight(fmt, w)
+    # |W' - W| <= u (|q - 8| + |8 - z|) |s|, u = 2^-8 (bf16's unit roundoff): s/16 at most
+    nib = torch.stack([w["q"] & 15, w["q"] >> 4], -1).flatten(-2).double()
+    z = w["z"].double().repeat_interleave(group, -1) if "z" in w else torch.full_like(nib, 8)
+    s = w["s"].double().repeat_interleave(group, -1).abs()
+    bound = BF16_ULP * ((nib - 8).abs() + (8 - z).abs()) * s + 1e-12
+    assert ((eff - exact).abs() <= bound).all()
+    assert ((eff - exact).abs() <= s / 16 + 1e-12).all()
+    if symmetric and scale_dtype == torch.bfloat16:
+        assert torch.equal(eff, exact)                 # bf16 scales, zero 0: exact weights
+
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, k).bfloat16()
+        got = packed.linear(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        want = x.double() @ eff.T
+        # float32 sums, one bf16 rounding of each output
+        err = (got.double() - want).abs()
+        assert (err <= BF16_ULP * want.abs() + 1e-5 * want.abs().max()).all()
+
+
+def test_packable_refuses_what_the_kernel_cannot_run():
+    fmt = QuantFormat("int4", group=32)
+    w = random_weight(fmt, (), 48, 64)
+    assert tk.packable_int4(fmt, w, torch.bfloat16)
+    assert not tk.packable_int4(fmt, w, torch.float16)     # only bf16 is vectorized
+    assert not tk.packable_int4(fmt, w, torch.float32)
+    assert not tk.packable_int4(fmt, random_weight(fmt, (), 40, 64), torch.bfloat16)  # N % 16
+    fp8 = QuantFormat("fp8_channel")
+    assert not tk.packable_int4(fp8, random_weight(fp8, (), 48, 64), torch.bfloat16)
+    with pytest.raises(ValueError, match="leading dims"):
+        tk.Int4Packed(fmt, random_weight(fmt, (2, 3), 48, 64))
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_packed_experts_equal_the_reference(tokens):
+    torch.manual_seed(5 + tokens)
+    fmt = QuantFormat("int4", group=32)
+    d, inter, e, k, pool = 64, 32, 6, 2, 9
+    w13, w2 = random_weight(fmt, (pool,), 2 * inter, d), random_weight(fmt, (pool,), d, inter)
+    for w in (w13, w2):
+        w["s"] = w["s"].to(torch.bfloat16)
+    p13, p2 = tk.Int4Packed(fmt, w13), tk.Int4Packed(fmt, w2)
+    assert p13.experts == pool and p13.q.shape == w13["q"].shape
+    for act in (SILU, SWIGLU_OAI):
+        x = torch.randn(tokens, d).bfloat16()
+        weights, ids = torch.topk(torch.randn(tokens, e).softmax(-1), k, dim=-1)
+        slot_map = torch.randperm(pool)[:e]
+        kw = dict(b13=torch.randn(pool, 2 * inter).bfloat16(),
+                  b2=torch.randn(pool, d).bfloat16(), activation=act)
+        # The public CPU op takes the packed banks as they sit in a packed store's bank.
+        got = tk.fused_moe_quant_cpu(x, fmt, p13, p2, weights, ids, slot_map, **kw)
+        want = fused_moe_quant_reference(x.float(), fmt, w13, w2, weights, ids, slot_map,
+                                         **{n: v.float() if n != "activation" else v
+                                            for n, v in kw.items()})
+        assert got.dtype == torch.bfloat16
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err < 2e-2, f"{act.kind}: relative error {err:.2e}"
+    with pytest.raises(ValueError, match="bf16"):
+        tk.fused_moe_int4_cpu(x.float(), p13, p2, weights, ids, slot_map)
+
+
+@pytest.fixture(scope="module")
+def int4_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("int4") / "m"
+    make_tiny_model(out, family="qwen3_moe", seed=2, hidden_size=64, num_layers=3, num_heads=4,
+                    num_kv_heads=2, num_experts=8, top_k=2, moe_intermediate_size=32,
+                    intermediate_size=96, vocab_size=2048, max_position_embeddings=512,
+                    mlp_only_layers=(1,))
+    quantize_checkpoint(out, "int4-awq", seed=2)
+    return str(out)
+
+
+PROMPT = [5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2]
+
+
+@pytest.mark.usefixtures("one_thread", "no_saved_profiles")
+def test_bf16_cpu_engine_runs_int4_packed(int4_model):
+    want = LLM(int4_model, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
+    # float32 packs nothing: the reference's decode
+    runs = {"resident": {}, "cpu": dict(moe_backend="cpu"),
+            "cpu-layers": dict(moe_backend="offload", moe_cache_size=8, moe_cpu_layers=1)}
+    for name, kw in runs.items():
+        llm = LLM(int4_model, skip_tokenizer_init=True, dtype="bfloat16", **kw)
+        model = llm.runner.model
+        qlin = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert qlin and all(isinstance(m.packed, tk.Int4Packed) for m in qlin), name
+        blocks = model.moe_blocks()
+        store = llm.runner.expert_store
+        cpu_layers = llm.runner.moe_plan.cpu_layers if store else tuple(blocks)
+        assert cpu_layers, name
+        for i, b in blocks.items():
+            bank = b.experts.bank()
+            packed = isinstance(bank.get("w13"), tk.Int4Packed)
+            assert packed == (i in cpu_layers), f"{name} layer {i}"
+            if store is not None:
+                assert (store.bank(i) is bank) == packed          # one copy, the store's
+                assert not (packed and store.pinned[i])
+        got = llm.logits(PROMPT)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 0.1, f"{name}: relative logit error {err:.2e} against float32"
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75, name
+        if store is not None:
+            assert llm.runner.moe_report()["counters"]["cpu_experts"] > 0
