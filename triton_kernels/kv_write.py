@@ -10,10 +10,16 @@ from triton_kernels._dispatch import tl, triton, use_triton
 
 
 def write_kv_reference(k, v, k_cache, v_cache, slot_mapping):
+    k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    if bool((slot_mapping >= 0).all()):   # the engine's batches: one index_copy_ per cache
+        # (the CPU writes with this: ~4x cheaper than the masked form's index and index_put)
+        k_flat.index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
+        v_flat.index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_flat[slots] = k[keep].to(k_cache.dtype)
+    v_flat[slots] = v[keep].to(v_cache.dtype)
 
 
 @triton.jit

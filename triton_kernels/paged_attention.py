@@ -47,6 +47,9 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, s
     # Decodes (one query each) go together in one padded batch: the CPU serves with this
     # reference, and a Python loop over 32 decoding sequences per layer dominated a step.
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    if len(decodes) == q.shape[0]:         # a decode step: every row its sequence's query
+        return _decode_batch(q, k_cache, v_cache, block_tables, lens, scale, sliding_window,
+                             sinks)
     if decodes:
         rows = [cu[b] for b in decodes]
         out[rows] = _decode_batch(q[rows], k_cache, v_cache, block_tables[decodes],
@@ -103,15 +106,20 @@ def _decode_batch(q, k_cache, v_cache, tables, lens: list[int], scale: float, wi
     # bf16 products on AVX2 cost 2-3x more than widening first); scores, softmax and the
     # value sums in float32, rounded once. The mask is dropped where every key is visible.
     b, hq, dk = q.shape
-    hk = k_cache.shape[2]
-    first = [max(0, n - window) if window else 0 for n in lens]
-    blocks, _, valid = _key_blocks(tables, lens, first, k_cache.shape[1])   # valid [B, L]
+    bs, hk = k_cache.shape[1], k_cache.shape[2]
+    n = max(lens)
+    if window:
+        first = [max(0, n - window) for n in lens]
+        blocks, _, mask = _key_blocks(tables, lens, first, bs)    # mask [B, L]
+    else:                                # keys 0..n-1 of each table's first blocks
+        blocks, mask = tables[:, :-(-n // bs)], None
+        if min(lens) != n:               # shorter ones: padding ids (-1) read block 0, masked
+            blocks = blocks.clamp(min=0)
+            mask = torch.arange(n, device=q.device) < torch.tensor(lens, device=q.device)[:, None]
     k = _gather_kv(k_cache, blocks)                               # [B, L, Hk, Dk]
     v = _gather_kv(v_cache, blocks)                               # [B, L, Hk, Dv]
-    if not window:                       # keys 0..max(lens)-1 lead: the tail is padding
-        n = max(lens)
-        k, v, valid = k[:, :n], v[:, :n], valid[:, :n]
-    mask = None if not window and min(lens) == max(lens) else valid
+    if not window:
+        k, v = k[:, :n], v[:, :n]
     k, v = k.transpose(1, 2).float(), v.transpose(1, 2).float()   # [B, Hk, L, D]
     qf = q.float()
     if sinks is None:
