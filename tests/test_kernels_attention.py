@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from test_kernels import (DTYPES, TOL_ACCUM, _kernel_device, _paged_batch, _seed,  # noqa: F401
+from test_kernels import (DTYPES, TOL, TOL_ACCUM, _kernel_device, _paged_batch, _seed,  # noqa: F401
                           assert_close)
 from triton_kernels.paged_attention import (decode_split_plan, paged_attention_reference,
                                             paged_attention_triton)
@@ -85,6 +85,26 @@ def test_prefill_sliding_window(q_lens, ctxs, hq, hk, d, window, dtype):
 ])
 def test_decode_sliding_window(ctxs, hq, hk, d, window, dtype):
     _check([1] * len(ctxs), ctxs, hq, hk, d, dtype, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,ctxs,window,with_sinks", [
+    ([1], [80], None, False),                              # batch-1 decode: no mask at all
+    ([1, 1, 1], [33, 33, 33], None, False),                # equal lengths: no mask
+    ([1, 1, 1], [5, 70, 16], None, False),                 # unequal: padding masked
+    ([1, 1], [40, 90], 24, True),                          # window and sinks
+    ([1, 4, 1], [20, 9, 50], None, False),                 # decodes beside a prefill chunk
+])
+def test_reference_decode_matches_dense(q_lens, ctxs, window, with_sinks, dtype):
+    """The CPU's decode (float32 SDPA over gathered blocks) against the dense float64 math,
+    in bf16 too: the CPU serves bf16 models with it."""
+    q, k_cache, v_cache, table, cu, seq_lens = _batch(q_lens, ctxs, 8, 2, 64, dtype)
+    sinks = 2 * torch.randn(8) if with_sinks else None
+    args = (q, k_cache, v_cache, table, cu, seq_lens, 0.125)
+    got = paged_attention_reference(*args, sliding_window=window, sinks=sinks)
+    assert got.dtype == dtype and got.shape == q.shape
+    # float32 throughout, one rounding: within the elementwise tolerance of the dtype
+    assert_close(got, naive_attention(*args, window, sinks), **TOL[dtype], what="reference vs dense")
 
 
 def test_decode_window_split_plan_splits_the_window_only():
