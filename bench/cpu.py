@@ -187,6 +187,21 @@ def gguf_of(model_dir: Path, convert: Path, outtype: str, out: Path) -> Path:
     return out
 
 
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0")   # its --outtype choices
+
+
+def requantize(bench: Path, gguf: Path, qtype: str, out: Path, threads: int) -> Path:
+    """llama-quantize (beside llama-bench) of a GGUF to `qtype`: the types the converter
+    cannot write (q4_0 against INT4)."""
+    tool = bench.parent / "llama-quantize"
+    if not tool.exists():
+        raise SystemExit(f"--llama-quant {qtype} needs {tool} (cmake --build build --target "
+                         f"llama-quantize)")
+    subprocess.run([str(tool), str(gguf), str(out), qtype, str(threads)], check=True,
+                   capture_output=True)
+    return out
+
+
 def llama_cpp(bench: Path, gguf: Path, threads: int, tokens: int, rounds: int) -> dict:
     base = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", str(rounds), "-o", "json",
             "--repack", "0"]     # the AMX q8_0 repack dies with SIGILL in some VMs
@@ -243,7 +258,8 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default="", help="comma-separated make_tiny_model --quant formats: "
                    "a FreeToken arm each (qwen3_moe: fp8, fp8-channel, nvfp4, int4, int4-awq)")
     p.add_argument("--llama-quant", default="", help="comma-separated GGUF types for llama.cpp "
-                   "arms beside --dtype's (the converter's --outtype: q8_0)")
+                   "arms beside --dtype's (the converter's --outtype: q8_0; others, q4_0, "
+                   "through llama-quantize beside llama-bench)")
     p.add_argument("--unpacked", action="store_true", help="add FreeToken arms without the "
                    "CPU packing (fp16 projections, INT4 GEMM): one beside each packed arm")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
@@ -295,10 +311,17 @@ def main(argv=None) -> int:
         if args.llama_bench:
             convert = args.llama_convert or _find_convert(args.llama_bench)
             base = {"bfloat16": "bf16", "float32": "f32"}[args.dtype]
+            ggufs = {}
             for outtype in [base] + [t for t in args.llama_quant.split(",") if t]:
                 name = "llama.cpp" if outtype == base else f"llama.cpp-{outtype}"
-                gguf = gguf_of(model_dir, convert, outtype, Path(tmp) / f"model-{outtype}.gguf")
-                res[name] = llama_cpp(args.llama_bench, gguf, args.threads, tokens, args.rounds)
+                out = Path(tmp) / f"model-{outtype}.gguf"
+                if outtype in CONVERTER_TYPES:
+                    ggufs[outtype] = gguf_of(model_dir, convert, outtype, out)
+                else:                          # q4_0, q4_k_m, ...: llama-quantize of base's
+                    ggufs[outtype] = requantize(args.llama_bench, ggufs[base], outtype, out,
+                                                args.threads)
+                res[name] = llama_cpp(args.llama_bench, ggufs[outtype], args.threads, tokens,
+                                      args.rounds)
     report.update(active_bytes_per_arm=actives)
     report.update(dram_read_gbps=dram, results=res)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One MoE layer on the CPU: bf16 experts against each quantized format's CPU decode
-(triton_kernels/dequant_cpu.py) and its float32 reference, in one run.
+(triton_kernels/dequant_cpu.py), INT4's packed form (int4_cpu.py: experts only the CPU
+computes) and the float32 reference, in one run.
 
     python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
     python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-reference", action="store_true", help="the float32 reference is slow")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    import triton_kernels as tk
     from triton_kernels.dequant import QuantFormat, fused_moe_quant_reference
     from triton_kernels.dequant_cpu import fused_moe_quant_cpu
     from triton_kernels.fused_moe import fused_moe_reference
@@ -72,6 +74,10 @@ def main(argv=None) -> int:
         q13, q2 = bank(fmt, e, 2 * i, d, g), bank(fmt, e, d, i, g)
         arms[f"{name} cpu"] = (lambda x, w, ids, fmt=fmt, q13=q13, q2=q2:
                                fused_moe_quant_cpu(x, fmt, q13, q2, w, ids))
+        if tk.packable_int4(fmt, q13, torch.bfloat16) and tk.packable_int4(fmt, q2, torch.bfloat16):
+            p13, p2 = tk.Int4Packed(fmt, q13), tk.Int4Packed(fmt, q2)   # CPU-only experts' form
+            arms[f"{name} packed"] = (lambda x, w, ids, fmt=fmt, p13=p13, p2=p2:
+                                      fused_moe_quant_cpu(x, fmt, p13, p2, w, ids))
         if not args.skip_reference:
             arms[f"{name} reference"] = (lambda x, w, ids, fmt=fmt, q13=q13, q2=q2:
                                          fused_moe_quant_reference(x, fmt, q13, q2, w, ids))

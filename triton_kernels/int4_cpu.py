@@ -89,12 +89,16 @@ def fused_moe_int4_cpu(x, w13: Int4Packed, w2: Int4Packed, topk_weights, topk_id
             slot = ids[j] if table is None else table[ids[j]]
             out += _expert(x, w13, w2, slot, b13, b2, activation) * topk_weights[0, j].to(x.dtype)
         return out
-    for e in torch.unique(topk_ids.reshape(-1)).tolist():
-        token_idx, pos = torch.where(topk_ids == e)
-        slot = e if slot_map is None else int(slot_map[e])
-        h = _expert(x[token_idx], w13, w2, slot, b13, b2, activation)
-        out.index_add_(0, token_idx, h * topk_weights[token_idx, pos, None].to(h.dtype))
-    return out
+    # The (token, k) pairs sorted by expert, gathered once: each used expert's rows are one
+    # contiguous slice (no where/index/index_add per expert), summed back in one index_add_.
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique(flat, return_counts=True)
+    slots = (experts if slot_map is None else slot_map[experts]).tolist()
+    token = order // topk_ids.shape[1]
+    rows = x.index_select(0, token).split(counts.tolist())
+    h = torch.cat([_expert(r, w13, w2, slot, b13, b2, activation) for r, slot in zip(rows, slots)])
+    return out.index_add_(0, token, h * topk_weights.reshape(-1)[order, None].to(h.dtype))
 
 
 def _expert(x, w13, w2, slot, b13, b2, activation):
