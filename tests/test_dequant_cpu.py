@@ -44,6 +44,17 @@ def test_decode_equals_the_reference_bit_for_bit(name, dtype):
     assert again.data_ptr() == got.data_ptr() and torch.equal(again, want)
 
 
+def routed_batch(t, d, inter, e, k, pool, act):
+    """x [t, d] bf16, top-k routing over e experts mapped into a pool of slots, bf16 biases:
+    (x, weights, ids, slot_map, keyword arguments)."""
+    x = torch.randn(t, d).bfloat16()
+    weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k, dim=-1)
+    slot_map = torch.randperm(pool)[:e]
+    kw = dict(b13=torch.randn(pool, 2 * inter).bfloat16(), b2=torch.randn(pool, d).bfloat16(),
+              activation=act)
+    return x, weights, ids, slot_map, kw
+
+
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp4", "nvfp4", "int4", "int4_sym"])
 def test_fused_moe_quant_cpu_equals_the_reference(name):
     torch.manual_seed(4)
@@ -52,11 +63,7 @@ def test_fused_moe_quant_cpu_equals_the_reference(name):
     w13, w2 = _weight(name, (pool,), 2 * inter, d), _weight(name, (pool,), d, inter)
     dec = Decoder(fmt, torch.bfloat16)
     for act in (SILU, SWIGLU_OAI):
-        x = torch.randn(t, d).bfloat16()
-        weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k, dim=-1)
-        slot_map = torch.randperm(pool)[:e]
-        kw = dict(b13=torch.randn(pool, 2 * inter).bfloat16(),
-                  b2=torch.randn(pool, d).bfloat16(), activation=act)
+        x, weights, ids, slot_map, kw = routed_batch(t, d, inter, e, k, pool, act)
         got = fused_moe_quant_cpu(x, fmt, w13, w2, weights, ids, slot_map, decoder=dec, **kw)
         want = fused_moe_quant_reference(x, fmt, w13, w2, weights, ids, slot_map, **kw)
         if fmt.packed:

@@ -16,6 +16,7 @@ from freetoken import LLM
 from freetoken.demo.tiny_model import make_tiny_model
 from freetoken.models.layers.linear import QuantLinear
 from freetoken.models.quant.encode import quantize_checkpoint
+from test_dequant_cpu import routed_batch
 from test_kernels_dequant import random_weight
 from triton_kernels.dequant import QuantFormat, dequantize_reference, fused_moe_quant_reference
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI
@@ -96,11 +97,7 @@ def test_packed_experts_equal_the_reference(tokens):
     p13, p2 = tk.Int4Packed(fmt, w13), tk.Int4Packed(fmt, w2)
     assert p13.experts == pool and p13.q.shape == w13["q"].shape
     for act in (SILU, SWIGLU_OAI):
-        x = torch.randn(tokens, d).bfloat16()
-        weights, ids = torch.topk(torch.randn(tokens, e).softmax(-1), k, dim=-1)
-        slot_map = torch.randperm(pool)[:e]
-        kw = dict(b13=torch.randn(pool, 2 * inter).bfloat16(),
-                  b2=torch.randn(pool, d).bfloat16(), activation=act)
+        x, weights, ids, slot_map, kw = routed_batch(tokens, d, inter, e, k, pool, act)
         # The public CPU op takes the packed banks as they sit in a packed store's bank.
         got = tk.fused_moe_quant_cpu(x, fmt, p13, p2, weights, ids, slot_map, **kw)
         want = fused_moe_quant_reference(x.float(), fmt, w13, w2, weights, ids, slot_map,
