@@ -2,8 +2,8 @@
 
 torch._weight_int4pack_mm_for_cpu (the kernel behind weight-only int4 on x86: nibbles
 widened in registers, bf16 activations, float32 sums) runs W = (q - 8) * scale + zero from
-its own packed layout (torch._convert_weight_to_int4pack_for_cpu: [N, K/2] uint8, the same
-bytes as the checkpoint's nibbles) and one bf16 (scale, zero) pair per group. Measured on the
+its own packed layout (torch._convert_weight_to_int4pack_for_cpu: [N, K/2] uint8, the
+checkpoint's nibbles rearranged, as many bytes) and one bf16 (scale, zero) pair per group. Measured on the
 2-core EPYC, one cold [512, 1024] weight g128: 1 row 52 us (torch's bf16 product 94 us,
 dequant_cpu's tile decode 641 us), 8 rows 180 us (bf16 505, decode 1045), 64 rows 1.27 ms
 (decode 1.89). Only its bf16 form is vectorized (fp16 and float32 run 10-16x slower), so
