@@ -94,6 +94,7 @@ def test_decode_sliding_window(ctxs, hq, hk, d, window, dtype):
     ([1, 1, 1], [5, 70, 16], None, False),                 # unequal: padding masked
     ([1, 1], [40, 90], 24, True),                          # window and sinks
     ([1, 4, 1], [20, 9, 50], None, False),                 # decodes beside a prefill chunk
+    ([1, 0, 1], [20, 9, 50], None, False),                 # a sequence with no query
 ])
 def test_reference_decode_matches_dense(q_lens, ctxs, window, with_sinks, dtype):
     """The CPU's decode (float32 SDPA over gathered blocks) against the dense float64 math,
