@@ -108,6 +108,8 @@ def test_packed_experts_equal_the_reference(tokens):
         assert err < 2e-2, f"{act.kind}: relative error {err:.2e}"
     with pytest.raises(ValueError, match="bf16"):
         tk.fused_moe_int4_cpu(x.float(), p13, p2, weights, ids, slot_map)
+    empty = tk.fused_moe_int4_cpu(x[:0], p13, p2, weights[:0], ids[:0], slot_map)
+    assert empty.shape == (0, d)
 
 
 @pytest.fixture(scope="module")
