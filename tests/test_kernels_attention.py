@@ -183,3 +183,21 @@ def test_bad_window_and_sinks_are_rejected():
             op(*args, sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="caches"):
         paged_attention_triton(q, k_cache, v_cache[:, :8], table, cu, seq_lens, 0.125)
+
+
+def test_cpu_references_take_an_empty_batch_and_8bit_caches():
+    from triton_kernels.kv_write import write_kv_reference
+    k_cache = torch.randn(4, 16, 2, 8)
+    out = paged_attention_reference(torch.randn(0, 4, 8), k_cache, k_cache.clone(),
+                                    torch.zeros(0, 3, dtype=torch.int32),
+                                    torch.zeros(1, dtype=torch.int32),
+                                    torch.zeros(0, dtype=torch.int32), 0.3)
+    assert out.shape == (0, 4, 8)
+    # index_copy_ has no 8-bit CPU kernel: such caches take the indexed write.
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    caches = [torch.zeros(4, 16, 2, 8, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    slots = torch.tensor([3, 0, 9], dtype=torch.int32)
+    write_kv_reference(k, v, *caches, slots)
+    for cache, want in zip(caches, (k, v)):
+        assert torch.equal(cache.view(-1, 2, 8)[slots.long()].float(),
+                           want.to(torch.float8_e4m3fn).float())

@@ -11,8 +11,9 @@ from triton_kernels._dispatch import tl, triton, use_triton
 
 def write_kv_reference(k, v, k_cache, v_cache, slot_mapping):
     k_flat, v_flat = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-    if bool((slot_mapping >= 0).all()):   # the engine's batches: one index_copy_ per cache
-        # (the CPU writes with this: ~4x cheaper than the masked form's index and index_put)
+    # The engine's batches: one index_copy_ per cache (the CPU writes with this: ~4x cheaper
+    # than the masked form's index and index_put; it has no kernel for 8-bit caches).
+    if k_cache.element_size() > 1 and bool((slot_mapping >= 0).all()):
         k_flat.index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
         v_flat.index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
         return

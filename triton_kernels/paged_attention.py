@@ -47,7 +47,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, s
     # Decodes (one query each) go together in one padded batch: the CPU serves with this
     # reference, and a Python loop over 32 decoding sequences per layer dominated a step.
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
-    if len(decodes) == len(lens):          # a decode step: every sequence one query, in order
+    if lens and len(decodes) == len(lens):   # a decode step: every sequence one query
         return _decode_batch(q, k_cache, v_cache, block_tables, lens, scale, sliding_window,
                              sinks)
     if decodes:

@@ -85,9 +85,12 @@ class ModelRunner:
                              packed / 2**20)
         if self.expert_store is not None:
             self.moe = self._moe_runtime(blocks)
-            # Layers only the CPU computes: packed for its INT4 GEMM, as a CPU engine's.
-            for i in self.expert_store.pack_cpu(self.moe_plan.cpu_layers):
-                blocks[i].experts.pack_cpu(self.expert_store.bank(i))
+            # Layers only the CPU computes: packed for its INT4 GEMM, as a CPU engine's, one
+            # layer at a time (its checkpoint tensors freed before the next one packs).
+            for i in self.moe_plan.cpu_layers:
+                packed = self.expert_store.pack_cpu(i)
+                if packed is not None:
+                    blocks[i].experts.pack_cpu(packed)
         elif config.moe.trace_path:
             log.warning("moe_trace=%s records nothing: every expert stays on the device (%s); "
                         "a trace needs experts in host RAM (e.g. moe_backend=offload)",

@@ -71,20 +71,18 @@ class ExpertStore:
         """{tensor name: [E, *shape]} of one layer's experts, in host RAM."""
         return self.banks[layer]
 
-    def pack_cpu(self, layers: tuple[int, ...]) -> list[int]:
-        """Layers whose experts only the CPU computes (never fetched, so never pinned), their
-        banks repacked in place for a faster CPU product where the format has one (INT4:
-        quant_layout.pack_int4_bank). Pinned layers and other formats stay as they are.
-        Returns the layers packed."""
-        if not isinstance(self.layout, QuantExpertLayout):
-            return []
-        done = []
-        for layer in layers:
-            packed = None if self.pinned[layer] else pack_int4_bank(self.layout, self.banks[layer])
-            if packed is not None:
-                self.banks[layer] = packed
-                done.append(layer)
-        return done
+    def pack_cpu(self, layer: int) -> dict | None:
+        """A layer whose experts only the CPU computes (never fetched, so never pinned): its
+        bank repacked in place for a faster CPU product where the format has one (INT4:
+        quant_layout.pack_int4_bank). Returns the packed bank (the caller hands it to the
+        model's ExpertBank at once, so the checkpoint's tensors go before the next layer
+        packs), or None: a pinned layer or another format stays as it is."""
+        if not isinstance(self.layout, QuantExpertLayout) or self.pinned[layer]:
+            return None
+        packed = pack_int4_bank(self.layout, self.banks[layer])
+        if packed is not None:
+            self.banks[layer] = packed
+        return packed
 
     def _pin(self, layer: int) -> bool:
         """Page-lock a layer's bank in place; False (and pageable) if the driver refuses."""
