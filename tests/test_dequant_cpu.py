@@ -1,8 +1,9 @@
 """The CPU experts' decode (triton_kernels/dequant_cpu.py) equals dequantize_reference bit for
 bit in every compute dtype and format, ragged fp8 blocks included (4-bit formats decode in
 split column order, evens then odds); fused_moe_quant_cpu equals fused_moe_quant_reference
-with its buffers reused across experts and calls (bit for bit for fp8; for 4-bit formats the
-matmul sums the columns in another order)."""
+with its buffers reused across experts and calls (to bf16's rounding: fp8 keeps the scales out
+of the weight up to FOLD_ROWS rows, the 4-bit formats sum the columns in another order); fp8's
+scaled products are float32-exact and do not overflow where the result is finite."""
 
 import pytest
 import torch
@@ -66,10 +67,60 @@ def test_fused_moe_quant_cpu_equals_the_reference(name):
         x, weights, ids, slot_map, kw = routed_batch(t, d, inter, e, k, pool, act)
         got = fused_moe_quant_cpu(x, fmt, w13, w2, weights, ids, slot_map, decoder=dec, **kw)
         want = fused_moe_quant_reference(x, fmt, w13, w2, weights, ids, slot_map, **kw)
-        if fmt.packed:
-            assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, what=name)
-        else:
-            assert torch.equal(got, want), f"{name} {act.kind}"
+        assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, what=name)
+
+
+FP8 = ["fp8_block", "fp8_block_ragged", "fp8_channel", "fp8_tensor"]
+
+
+def _exact(x, fmt, w):
+    return x.double() @ dequantize_reference(fmt, w, torch.float32).double().T
+
+
+def _within(got, x, fmt, w, rel):
+    """|got - x @ W^T| <= rel * (|x| @ |W|^T): rel of the terms' magnitude (a sum may cancel)."""
+    deq = dequantize_reference(fmt, w, torch.float32).double()
+    bound = rel * (x.double().abs() @ deq.abs().T)
+    return bool(((got.double() - x.double() @ deq.T).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_products_are_float32_exact(name):
+    # Up to FOLD_ROWS rows the scales multiply x (per block) or the sums (per row, tensor),
+    # never the weight: the float32 result is the float64 product to float32's precision,
+    # at 1 row, a few and FOLD_ROWS (the ragged blocks take the decoded, scaled weight).
+    from triton_kernels.dequant_cpu import FOLD_ROWS
+    torch.manual_seed(8)
+    fmt = ALL[name]
+    w = _weight(name, (), 64, 100 if name.endswith("ragged") else 192)
+    for t in (1, 3, FOLD_ROWS):
+        x = torch.randn(t, w["q"].shape[1])
+        got = Decoder(fmt, torch.float32).linear(x, w)
+        assert got.dtype == torch.float32 and got.shape == (t, 64)
+        assert _within(got, x, fmt, w, 2.0 ** -20), f"{name} {t}"
+        got16 = Decoder(fmt, torch.bfloat16).linear(x.bfloat16(), w)   # bf16's roundings
+        assert got16.dtype == torch.bfloat16 and _within(got16, x.bfloat16(), fmt, w, 2.0 ** -7)
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "fp8_channel", "fp8_tensor"])
+def test_fp8_products_do_not_overflow_where_the_result_is_finite(name):
+    # x 2^120 (the bytes decode to value / 2^120) would overflow for |x| >= 256: the power
+    # applied to x shrinks to fit (x s, for blocks), the rest goes on the sums. Huge x with a
+    # scale of 1000, tiny x; inf in x still reaches the output.
+    torch.manual_seed(9)
+    fmt = ALL[name]
+    w = _weight(name, (), 32, 64)
+    w["s"] = torch.full_like(w["s"], 1000.0)
+    for magnitude in (1e28, 1e-30):
+        x = torch.randn(2, 64) * magnitude
+        want = _exact(x, fmt, w)
+        assert torch.isfinite(want).all()
+        got = Decoder(fmt, torch.float32).linear(x, w)
+        assert _within(got, x, fmt, w, 2.0 ** -20), f"{name} {magnitude}"
+    x = torch.randn(2, 64)
+    x[1, 5] = float("inf")
+    got = Decoder(fmt, torch.float32).linear(x, w)
+    assert torch.isfinite(got[0]).all() and not torch.isfinite(got[1]).any()
 
 
 def test_large_scales_do_not_overflow_the_folded_power_of_two():
@@ -108,9 +159,11 @@ def test_many_rows_multiply_the_rounded_weights_widened(name):
     # A prefill chunk's rows: the weight decoded and rounded to bf16 as the reference does,
     # then multiplied in float32 (cpu_matmul.py), in the 4-bit formats' split column order.
     from triton_kernels.cpu_matmul import WIDE_ROWS
+    from triton_kernels.dequant_cpu import FOLD_ROWS
     torch.manual_seed(7)
     w = _weight(name, (), 64, 192)
-    x = torch.randn(WIDE_ROWS + 4, 192).bfloat16()
+    rows = max(WIDE_ROWS, FOLD_ROWS + 1 if name.startswith("fp8") else 0) + 4
+    x = torch.randn(rows, 192).bfloat16()
     got = Decoder(ALL[name], torch.bfloat16).linear(x, w)
     deq = dequantize_reference(ALL[name], w, torch.bfloat16).float()
     if ALL[name].packed:
