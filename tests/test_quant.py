@@ -301,3 +301,55 @@ def test_deepseek_v3_fp8_matches_its_dequantized_oracle(tmp_path):
         err = rel_err(llm.logits(PROMPT), want_logits)
         assert err < 1e-3, f"{kw}: relative logit error {err:.2e}"
         assert llm.generate([PROMPT], PARAMS)[0].token_ids == want, kw
+
+
+def test_quant_linear_packs_its_decoded_weight_for_the_cpu():
+    """A bf16 CPU engine's fp8 / mxfp4 / nvfp4 projection keeps its weight decoded once, in
+    fp16 for the fp16-weight GEMM (no decode per call): x @ W^T + b to fp16's rounding of W
+    at one row and many; a float32 model and a weight beyond fp16's range stay unpacked."""
+    import triton_kernels as tk
+    from freetoken.models.layers.linear import QuantLinear
+    from test_kernels_dequant import FORMATS, random_weight
+    torch.manual_seed(11)
+    for kind in ("fp8_block", "fp8_channel", "mxfp4", "nvfp4"):
+        fmt = FORMATS[kind]
+        w = random_weight(fmt, (), 48, 64)
+        lin = QuantLinear(64, 48, fmt, bias=True, dtype=torch.bfloat16,
+                          scale_dtype=w["s"].dtype)
+        for name, t in w.items():
+            getattr(lin, name).data = t.reshape(getattr(lin, name).shape) if t.dim() else t
+        lin.bias.data = torch.randn(48).bfloat16()
+        assert lin.pack_cpu() == 48 * 64 * 2 and isinstance(lin.packed, tk.Fp16Weight), kind
+        deq = dequantize_reference(fmt, w, torch.float32).double()
+        for rows in (1, 7):
+            x = torch.randn(2, rows, 64).bfloat16()
+            got = lin(x)
+            want = x.double() @ deq.T + lin.bias.double()
+            # fp16's rounding of each weight (2^-11) and the output's (bf16, 2^-8)
+            bound = (x.double().abs() @ deq.abs().T) * 2.0 ** -10 + want.abs() * 2.0 ** -8
+            assert got.shape == (2, rows, 48) and got.dtype == torch.bfloat16
+            assert ((got.double() - want).abs() <= bound + 1e-6).all(), f"{kind} {rows}"
+    big = QuantLinear(64, 48, FORMATS["fp8_channel"], bias=False, dtype=torch.bfloat16)
+    big.q.data = torch.full((48, 64), 448.0).to(torch.float8_e4m3fn)
+    big.s.data = torch.full((48,), 1000.0)
+    assert big.pack_cpu() == 0 and big.packed is None             # 448000 > 65504
+    f32 = QuantLinear(64, 48, FORMATS["fp8_channel"], bias=False, dtype=torch.float32)
+    assert f32.pack_cpu() == 0 and f32.packed is None
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp8-tensor", "nvfp4"])
+def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
+    # The runner packs every quantized projection of a bf16 CPU model (attention and the
+    # dense MLP here); the logits stay as near the float32 engine's (the reference's exact
+    # decode) as bf16 allows.
+    import triton_kernels as tk
+    from freetoken.models.layers.linear import QuantLinear
+    path = str(tiny(tmp_path / "q", "qwen3_moe", quant))
+    want = LLM(path, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
+    qlin = [m for m in llm.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert len(qlin) >= 7 and all(isinstance(m.packed, tk.Fp16Weight) for m in qlin)
+    got = llm.logits(PROMPT)
+    err = rel_err(got.float(), want)
+    assert err < 0.05, f"{quant}: relative logit error {err:.2e} against float32"
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75

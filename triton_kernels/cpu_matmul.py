@@ -75,9 +75,11 @@ class Fp16Weight:
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def packable(weight: torch.Tensor) -> bool:
-    """A 16-bit CPU weight inside float16's range, on a torch that has the GEMM."""
-    return (weight.device.type == "cpu" and weight.dtype in _NARROW and weight.numel() > 0
+def packable(weight: torch.Tensor, decoded: bool = False) -> bool:
+    """A 16-bit CPU weight (decoded: one in any float dtype, decoded from a quantized format)
+    inside float16's range, on a torch that has the GEMM."""
+    return (weight.device.type == "cpu" and (decoded or weight.dtype in _NARROW)
+            and weight.numel() > 0
             and packs_fp16() and hasattr(torch, "fbgemm_linear_fp16_weight")
             and bool(weight.abs().max() <= FP16_MAX))
 

@@ -11,7 +11,9 @@ It replaces an nn.Linear of the same name (q_proj, down_proj, ...) when the chec
 that module quantized; its parameters are the canonical tensors of triton_kernels.dequant
 (`q`, `s`, and `z` or `g` where the format has them, shapes in freetoken.moe.quant_layout)
 and `bias` in the compute dtype. The forward is quant_linear, which dequantizes in registers
-on the GPU and per call in the torch reference: the dense weight is never materialized.
+on the GPU and per call in the torch reference: the dense weight is never materialized,
+except in a model the runner packed for the CPU (pack_cpu: an INT4 GEMM copy, or the decoded
+weight in fp16 for the formats torch's CPU has no GEMM for).
 """
 
 from __future__ import annotations
@@ -63,16 +65,28 @@ class QuantLinear(nn.Module):
                                                          requires_grad=False))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-        self.packed: tk.Int4Packed | None = None
+        self.packed: tk.Int4Packed | tk.Fp16Weight | None = None
 
     def pack_cpu(self) -> int:
-        """An INT4 weight on the CPU, in bf16: keep a copy packed for torch's CPU int4 GEMM
-        (triton_kernels/int4_cpu.py; the checkpoint's tensors stay for dequantized()).
+        """A quantized weight on the CPU, in 16 bits: keep a copy the CPU multiplies fast (the
+        checkpoint's tensors stay for dequantized()). INT4 (bf16): packed for torch's CPU int4
+        GEMM (triton_kernels/int4_cpu.py), as many bytes. The other formats (fp8, mxfp4,
+        nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU GEMM for: decoded once in float32 and packed for the
+        fp16-weight GEMM (cpu_matmul.Fp16Weight), 2 bytes a weight, instead of decoding
+        the weight at every call (dequant_cpu.py: 3-8x a bf16 product; a CPU engine's fp8
+        model ran its decode steps at 0.28x the bf16 model's). float16 keeps 11 bits of the
+        decoded value, bf16's reference 8; a weight beyond float16's range stays unpacked.
         Returns the copy's bytes."""
         w = self.weight_dict()
-        if not tk.packable_int4(self.fmt, w, self.dtype):
+        if tk.packable_int4(self.fmt, w, self.dtype):
+            self.packed = tk.Int4Packed(self.fmt, w)
+            return self.packed.nbytes
+        if self.dtype == torch.float32:
+            return 0            # a float32 model keeps the reference's exact decode
+        dense = tk.dequantize_reference(self.fmt, w, torch.float32)
+        if not tk.packable(dense, decoded=True):
             return 0
-        self.packed = tk.Int4Packed(self.fmt, w)
+        self.packed = tk.Fp16Weight(dense, self.bias)
         return self.packed.nbytes
 
     def weight_dict(self) -> dict[str, torch.Tensor]:
@@ -85,6 +99,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if isinstance(self.packed, tk.Fp16Weight):           # the bias inside, in float32
+            return self.packed(x)
         if self.packed is not None:
             y = self.packed.linear(x.reshape(-1, shape[-1]))
             y = y if self.bias is None else y + self.bias
