@@ -100,6 +100,8 @@ def test_fp8_products_are_float32_exact(name):
         assert _within(got, x, fmt, w, 2.0 ** -20), f"{name} {t}"
         got16 = Decoder(fmt, torch.bfloat16).linear(x.bfloat16(), w)   # bf16's roundings
         assert got16.dtype == torch.bfloat16 and _within(got16, x.bfloat16(), fmt, w, 2.0 ** -7)
+        strided = Decoder(fmt, torch.float32).linear(x.T.contiguous().T, w)  # transposed x
+        assert _within(strided, x, fmt, w, 2.0 ** -20)
 
 
 @pytest.mark.parametrize("name", ["fp8_block", "fp8_channel", "fp8_tensor"])
