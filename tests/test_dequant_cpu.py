@@ -107,8 +107,8 @@ def test_fp8_products_are_float32_exact(name):
 @pytest.mark.parametrize("name", ["fp8_block", "fp8_channel", "fp8_tensor"])
 def test_fp8_products_do_not_overflow_where_the_result_is_finite(name):
     # x 2^120 (the bytes decode to value / 2^120) would overflow for |x| >= 256: the power
-    # applied to x shrinks to fit (x s, for blocks), the rest goes on the sums. Huge x with a
-    # scale of 1000, tiny x; inf in x still reaches the output.
+    # applied to x shrinks to fit (x s, for blocks), the rest goes on the sums in float64.
+    # Huge x with a scale of 1000, tiny x; inf in x still reaches its row's outputs.
     torch.manual_seed(9)
     fmt = ALL[name]
     w = _weight(name, (), 32, 64)
@@ -123,6 +123,33 @@ def test_fp8_products_do_not_overflow_where_the_result_is_finite(name):
     x[1, 5] = float("inf")
     got = Decoder(fmt, torch.float32).linear(x, w)
     assert torch.isfinite(got[0]).all() and not torch.isfinite(got[1]).any()
+    # Huge x with a tiny scale: x q overflows float32, x q s does not.
+    w["q"] = torch.full_like(w["q"], 448.0, dtype=torch.float32).to(torch.float8_e4m3fn)
+    w["s"] = torch.full_like(w["s"], 1e-5)
+    x = torch.full((1, 64), 1e37)
+    assert _within(Decoder(fmt, torch.float32).linear(x, w), x, fmt, w, 2.0 ** -20), name
+
+
+def test_fp8_block_scales_of_zero_inf_and_huge():
+    # All-zero scales give zeros; an inf scale reaches only its own row block's outputs (as
+    # in the reference); x s beyond 2^134 with zero products stays 0, not inf * 0.
+    fmt = ALL["fp8_block"]                                 # 16 x 32 blocks
+    torch.manual_seed(10)
+    w = _weight("fp8_block", (), 64, 128)
+    zero = dict(w, s=torch.zeros_like(w["s"]))
+    assert torch.equal(Decoder(fmt, torch.float32).linear(torch.randn(2, 128), zero),
+                       torch.zeros(2, 64))
+    bad = dict(w, s=w["s"].clone())
+    bad["s"][1, 0] = float("inf")                          # rows 16-31
+    x = torch.randn(1, 128)
+    got = Decoder(fmt, torch.float32).linear(x, bad)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(_exact(x, fmt, bad)))
+    assert torch.isfinite(got[0, :16]).all() and torch.isfinite(got[0, 32:]).all()
+    huge = dict(w, q=w["q"].clone(), s=torch.full_like(w["s"], 1e10))
+    huge["q"][:, :64] = 0
+    x = torch.zeros(1, 128)
+    x[0, :64] = 1e30
+    assert torch.equal(Decoder(fmt, torch.float32).linear(x, huge), torch.zeros(1, 64))
 
 
 def test_large_scales_do_not_overflow_the_folded_power_of_two():

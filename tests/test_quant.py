@@ -353,3 +353,19 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     err = rel_err(got.float(), want)
     assert err < 0.05, f"{quant}: relative logit error {err:.2e} against float32"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+def test_bf16_cpu_engine_leaves_mla_kv_b_proj_unpacked(tmp_path):
+    # MLA reads kv_b_proj only as a matrix (decoded once); a packed copy would be dead bytes
+    # (~2 GB over DeepSeek-V3's layers). The other projections are packed.
+    import triton_kernels as tk
+    from freetoken.models.layers.linear import QuantLinear
+    path = str(tiny(tmp_path / "q", "deepseek_v3", "fp8", num_kv_heads=4))
+    want = LLM(path, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
+    attn = llm.runner.model.model.layers[1].self_attn
+    assert isinstance(attn.kv_b_proj, QuantLinear) and attn.kv_b_proj.packed is None
+    assert isinstance(attn.kv_a_proj_with_mqa.packed, tk.Fp16Weight)
+    got = llm.logits(PROMPT)             # bf16 against float32: 4-6% packed or not
+    assert rel_err(got.float(), want) < 0.1
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75

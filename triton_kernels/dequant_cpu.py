@@ -23,10 +23,10 @@ fp8 products of up to FOLD_ROWS rows skip the scale multiply and the rounding: t
 float32 values (value / 2^120) are the operand of a float32 product, and the scales multiply
 x (per block) or the sums (per row): two of the five passes a weight gone, and float32's
 GEMV (~2x bf16's bytes a second on AVX2). One layer of 64 experts (bench/cpu_moe.py), 1 and
-8 tokens: 1.4-1.6x the decode-then-multiply path, still ~3x bf16 experts (the three passes a
-weight cost more than reading bf16). Those results are float32-exact sums of x s q, nearer
-the exact product than the reference's (which rounds q s to the compute dtype first), so
-not bit-equal to it.
+8 tokens: 1.25-1.6x the decode-then-multiply path, still ~3x bf16 experts (the three passes
+a weight cost more than reading bf16). Those results are sums of x s q to float32's
+rounding, nearer the exact product than the reference's (which rounds q s to the compute
+dtype first), so not bit-equal to it.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ SIGN_E2M1 = -0x7E400000   # 0x81C00000: the sign and e2m1's three bits at 22-24
 
 
 TILE_ELEMENTS = 1 << 20   # weights decoded at a time: 4 MB of int32 bits + the output tile
+FP32_MAX = torch.finfo(torch.float32).max
 FOLD_ROWS = 128           # up to this many rows, fp8 products keep the scales out of the weight
                           # (from 512 rows the scaled weight in one GEMM was faster: 0.74-0.86x)
 
@@ -121,32 +122,39 @@ class Decoder:
     def _fp8_product(self, x32: torch.Tensor, w: dict, headroom: float) -> torch.Tensor:
         """x32 [T, K] float32 @ (q * s)^T -> [T, N] float32, the scales kept out of the
         weight: the bytes' values / 2^120 are the float32 operand as decoded (three integer
-        passes, no multiply, no rounding), and the scales go where they cost T x K or T x N
-        multiplies instead of N x K:
+        passes, no multiply, no rounding), and the scales multiply x or the sums:
 
-            fp8_tensor, fp8_channel   y = (x 2^a @ v^T) 2^(120-a) s        (s per row of y)
-            fp8_block                 y[:, rows of block r] = (x s[r] 2^a) @ v[rows]^T 2^(120-a)
+            fp8_tensor, fp8_channel   y = (x 2^a @ v^T) * (s 2^(120-a))   (s per row of y)
+            fp8_block                 y[:, rows of block r] = (x (s[r] 2^a)) @ v[rows]^T * 2^(120-a)
 
         the block form one batched product over row blocks, x scaled per column block by that
-        row block's scales: xs [N/bn, T, K]. 2^a (a <= 120, headroom) keeps x 2^a finite.
-        Each product term is x s q in float32, without the reference's rounding of q s to
-        the compute dtype: closer to the exact sum, not bit-equal to fused_moe_quant_reference."""
+        row block's scales: xs [N/bn, T, K], T x K x N/bn multiplies (N x K at T = bn). 2^a
+        (a <= 120, from headroom and the largest finite scale) keeps x s 2^a finite and away
+        from float32's subnormals; the last factor is applied in float64, so it neither
+        overflows nor underflows where the result does not. Each product term is x s q to
+        float32's rounding, without the reference's rounding of q s to the compute dtype:
+        nearer the exact sum, not bit-equal to fused_moe_quant_reference. An inf or nan
+        scale reaches only its own block's (row's) outputs, as in the reference."""
         fmt = self.fmt
         q, s = w["q"], w["s"].float()
         n, k = q.shape
         t = x32.shape[0]
         v = self._fp8_bits(q)
-        if fmt.kind == "fp8_block":
-            bn, bk = fmt.block
-            power = headroom / (float(s.abs().amax()) if s.numel() else 1.0)
-            a = _exponent(power)
-            xs = x32.view(1, t, k // bk, bk) * s[:, None, :, None]    # [N/bn, T, K/bk, bk]
-            xs = xs.view(n // bn, t, k).mul_(2.0 ** a)
-            y = torch.bmm(xs, v.view(n // bn, bn, k).transpose(1, 2))  # [N/bn, T, bn]
-            return y.transpose(0, 1).reshape(t, n).mul_(2.0 ** (120 - a))
-        a = _exponent(headroom)
-        y = F.linear(x32 * 2.0 ** a, v).mul_(2.0 ** (120 - a))
-        return y.mul_(s[None, :] if fmt.kind == "fp8_channel" else s)
+        if fmt.kind != "fp8_block":
+            a = _exponent(headroom)
+            y = F.linear(x32 * 2.0 ** a, v)
+            scale = s.double() * 2.0 ** (120 - a)
+            return (y.double() * (scale[None, :] if fmt.kind == "fp8_channel" else scale)).float()
+        bn, bk = fmt.block
+        top = float(s.abs().nan_to_num(0.0, 0.0, 0.0).amax()) if s.numel() else 0.0
+        a = _exponent(headroom / top if top > 0.0 else headroom)
+        if top * 2.0 ** a < FP32_MAX:                 # s 2^a finite: one multiply of x
+            xs = x32.view(1, t, k // bk, bk) * (s * 2.0 ** a)[:, None, :, None]
+        else:                                          # x s first (small x, large s)
+            xs = (x32.view(1, t, k // bk, bk) * s[:, None, :, None]).mul_(2.0 ** a)
+        y = torch.bmm(xs.view(n // bn, t, k), v.view(n // bn, bn, k).transpose(1, 2))
+        y = y.transpose(0, 1).reshape(t, n)                               # [T, N]
+        return y if a == 120 else (y.double() * 2.0 ** (120 - a)).float()
 
     def _fp8_bits(self, q: torch.Tensor) -> torch.Tensor:
         """q [N, K] e4m3 -> float32 [N, K] of its values / 2^120, in the reused buffer: the
@@ -249,8 +257,9 @@ def _folded(value: torch.Tensor, scale: torch.Tensor, power: float) -> torch.Ten
 
 def quant_linear_cpu(x: torch.Tensor, fmt: QuantFormat, w: dict,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """quant_linear_reference's result (the same decoded weights; the sum over K in another
-    order for 4-bit formats), decoded a tile at a time."""
+    """quant_linear_reference's result, decoded a tile at a time: the same decoded weights
+    (the sum over K in another order for 4-bit formats), except fp8 up to FOLD_ROWS rows,
+    whose scales stay out of the weight (to float32's rounding, not bit-equal)."""
     _check_linear(x, fmt, w, bias)
     y = Decoder(fmt, x.dtype).linear(x, w)
     return y if bias is None else y + bias
@@ -259,9 +268,10 @@ def quant_linear_cpu(x: torch.Tensor, fmt: QuantFormat, w: dict,
 def fused_moe_quant_cpu(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, *,
                         b13=None, b2=None, activation: MoeActivation = SILU,
                         decoder: Decoder | None = None):
-    """fused_moe_quant_reference's result, each routed expert decoded once into `decoder`'s
-    buffers (a fresh Decoder when None) and its tokens run through two matmuls. Banks packed
-    for the CPU (int4_cpu.Int4Packed) run torch's int4 GEMM instead."""
+    """fused_moe_quant_reference's arithmetic, each routed expert decoded once into
+    `decoder`'s buffers (a fresh Decoder when None) and its tokens run through two matmuls
+    (Decoder.linear: fp8 experts' scales kept out of the weight, so to bf16's rounding, not
+    bit-equal). Banks packed for the CPU (int4_cpu.Int4Packed) run torch's int4 GEMM instead."""
     if isinstance(w13, Int4Packed):          # a bank only the CPU reads, packed for it
         return fused_moe_int4_cpu(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13,
                                   b2=b2, activation=activation)

@@ -85,7 +85,8 @@ def fused_moe_int4_cpu(x, w13: Int4Packed, w2: Int4Packed, topk_weights, topk_id
                        slot_map=None, *, b13=None, b2=None,
                        activation: MoeActivation = SILU) -> torch.Tensor:
     """fused_moe_quant_cpu's arithmetic on packed banks (w13 [S, 2I, D], w2 [S, D, I]): each
-    used expert's tokens through its two products, experts added in id order."""
+    used expert's tokens through its two products; the experts' outputs weighted and summed
+    in float32 (batch 1: one [1, k] @ [k, D] product; more tokens: one index_add_)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or w13.experts is None \
             or w2.experts != w13.experts or w13.k != x.shape[1] or w2.n != x.shape[1] \
             or w13.n != 2 * w2.k:

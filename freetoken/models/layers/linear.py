@@ -49,8 +49,12 @@ class Linear(nn.Linear):
 def pack_for_cpu(model: nn.Module) -> int:
     """A model that runs on the CPU in 16 bits: every Linear gains an fp16-packed copy of its
     weight (triton_kernels/cpu_matmul.py: 1.4-5x torch's bf16 product from 2 rows, decode
-    batches and prefill chunks). Returns the bytes added (the dense weights' size again)."""
-    return sum(m.pack_cpu() for m in model.modules() if isinstance(m, (Linear, QuantLinear)))
+    batches and prefill chunks), every QuantLinear one the CPU multiplies fast (pack_cpu).
+    Projections a module names in its `matrix_only` (read as matrices, never called: MLA's
+    kv_b_proj) are left as they are. Returns the bytes added."""
+    skip = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "matrix_only", ())}
+    return sum(m.pack_cpu() for m in model.modules()
+               if isinstance(m, (Linear, QuantLinear)) and id(m) not in skip)
 
 
 class QuantLinear(nn.Module):
@@ -74,9 +78,9 @@ class QuantLinear(nn.Module):
         nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU GEMM for: decoded once in float32 and packed for the
         fp16-weight GEMM (cpu_matmul.Fp16Weight), 2 bytes a weight, instead of decoding
         the weight at every call (dequant_cpu.py: 3-8x a bf16 product; a CPU engine's fp8
-        model ran its decode steps at 0.28x the bf16 model's). float16 keeps 11 bits of the
-        decoded value, bf16's reference 8; a weight beyond float16's range stays unpacked.
-        Returns the copy's bytes."""
+        model ran its decode steps at 0.28x the bf16 model's). float16 keeps 11 bits of a
+        decoded value from 2^-14 up (bf16's reference 8; below, an absolute 2^-25 at most);
+        a weight beyond float16's range stays unpacked. Returns the copy's bytes."""
         w = self.weight_dict()
         if tk.packable_int4(self.fmt, w, self.dtype):
             self.packed = tk.Int4Packed(self.fmt, w)

@@ -67,6 +67,9 @@ class MlaConfig:
 
 
 class MlaAttention(nn.Module):
+    # kv_b_proj is read only as a matrix (kv_b_weight), never called: pack_for_cpu leaves it.
+    matrix_only = ("kv_b_proj",)
+
     def __init__(self, cfg: MlaConfig, layer_idx: int, rope: RopeTable):
         super().__init__()
         self.cfg, self.layer_idx, self.rope = cfg, layer_idx, rope
