@@ -143,8 +143,10 @@ class Decoder:
         if fmt.kind != "fp8_block":
             a = _exponent(headroom)
             y = F.linear(x32 * 2.0 ** a, v)
-            scale = s.double() * 2.0 ** (120 - a)
-            return (y.double() * (scale[None, :] if fmt.kind == "fp8_channel" else scale)).float()
+            scale = s[None, :] if fmt.kind == "fp8_channel" else s
+            if a == 120:                    # |x| <= 2^6: y = x q is far from overflowing
+                return y.mul_(scale)
+            return (y.double() * (scale.double() * 2.0 ** (120 - a))).float()
         bn, bk = fmt.block
         top = float(s.abs().nan_to_num(0.0, 0.0, 0.0).amax()) if s.numel() else 0.0
         a = _exponent(headroom / top if top > 0.0 else headroom)
