@@ -56,11 +56,12 @@ def routed_batch(t, d, inter, e, k, pool, act):
     return x, weights, ids, slot_map, kw
 
 
+@pytest.mark.parametrize("t", [1, 7])          # batch 1: the k experts' rest done once
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp4", "nvfp4", "int4", "int4_sym"])
-def test_fused_moe_quant_cpu_equals_the_reference(name):
+def test_fused_moe_quant_cpu_equals_the_reference(name, t):
     torch.manual_seed(4)
     fmt = ALL[name]
-    t, d, inter, e, k, pool = 7, 64, 64, 6, 2, 9
+    d, inter, e, k, pool = 64, 64, 6, 2, 9
     w13, w2 = _weight(name, (pool,), 2 * inter, d), _weight(name, (pool,), d, inter)
     dec = Decoder(fmt, torch.bfloat16)
     for act in (SILU, SWIGLU_OAI):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from triton_kernels.dequant import (QuantFormat, _check_linear, _check_moe, _expert,
                                     dequantize_reference, e8m0_to_float, weight_shape)
 from triton_kernels.cpu_matmul import widens
-from triton_kernels.fused_moe import SILU, MoeActivation, _activate
+from triton_kernels.fused_moe import SILU, MoeActivation, _activate, moe_one_token
 from triton_kernels.int4_cpu import Int4Packed, fused_moe_int4_cpu
 
 
@@ -280,6 +280,10 @@ def fused_moe_quant_cpu(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, 
     _check_moe(x, fmt, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if decoder is None or decoder.dtype != x.dtype or decoder.fmt != fmt:
         decoder = Decoder(fmt, x.dtype)
+    if x.shape[0] == 1 and topk_ids.numel():
+        return moe_one_token(x, lambda h, s: decoder.linear(h, _expert(w13, s)),
+                             lambda h, s: decoder.linear(h, _expert(w2, s)),
+                             topk_weights, topk_ids, slot_map, b13, b2, activation)
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids.reshape(-1)).tolist():
         token_idx, pos = torch.where(topk_ids == e)
