@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import triton_kernels as tk
-from freetoken import LLM
+from freetoken import LLM, SamplingParams
 from freetoken.demo.tiny_model import make_tiny_model
 from freetoken.models.layers.linear import QuantLinear
 from freetoken.models.quant.encode import quantize_checkpoint
@@ -154,3 +154,32 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75, name
         if store is not None:
             assert llm.runner.moe_report()["counters"]["cpu_experts"] > 0
+
+
+@pytest.mark.usefixtures("one_thread", "no_saved_profiles")
+def test_hybrid_layers_keep_a_packed_copy_for_the_cpu(int4_model, monkeypatch):
+    # Hybrid layers are fetched in the checkpoint's layout and computed on the CPU too: the
+    # store keeps a packed copy for the CPU beside the fetched bank (room allowing), and the
+    # tokens equal the resident bf16 engine's.
+    want = LLM(int4_model, skip_tokenizer_init=True, dtype="bfloat16")
+    hybrid = dict(skip_tokenizer_init=True, dtype="bfloat16", moe_backend="hybrid",
+                  moe_cache_size=8, moe_hybrid_k=1)
+    llm = LLM(int4_model, **hybrid)
+    store = llm.runner.expert_store
+    layers = llm.runner.moe_plan.cache_layers
+    assert layers and set(store.cpu_banks) == set(layers)
+    for i in layers:
+        assert isinstance(store.cpu_bank(i)["w13"], tk.Int4Packed)
+        assert not isinstance(store.bank(i).get("w13"), tk.Int4Packed)   # fetched as stored
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    got = llm.generate([PROMPT], params)[0].token_ids
+    assert got == want.generate([PROMPT], params)[0].token_ids
+    counters = llm.runner.moe_report()["counters"]
+    assert counters["cpu_experts"] > 0 and counters["experts_fetched"] > 0
+    # No room in host RAM (free RAM read as the reserve itself): no copy, the tile decode,
+    # the same tokens.
+    import freetoken.engine.model_runner as mr
+    monkeypatch.setattr(mr, "host_available_bytes", lambda: mr.HYBRID_COPY_RESERVE)
+    tight = LLM(int4_model, **hybrid)
+    assert not tight.runner.expert_store.cpu_banks
+    assert tight.generate([PROMPT], params)[0].token_ids == got

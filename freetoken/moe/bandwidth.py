@@ -120,14 +120,14 @@ class ExpertBench:
     def cpu(self) -> int:
         ids = torch.tensor([self._experts()])
         with torch_threads(self.cpu_threads):
-            cpu_moe(self.store.layout, self.x, self.store.bank(self.layer), self.weights, ids)
+            cpu_moe(self.store.layout, self.x, self.store.cpu_bank(self.layer), self.weights, ids)
         return self.top_k * self.store.expert_bytes
 
     def cpu_rows(self) -> int:
         """ROWS tokens through the same top_k experts; returns the FLOPs done."""
         ids = torch.tensor([self._experts()]).expand(ROWS, -1)
         with torch_threads(self.cpu_threads):
-            cpu_moe(self.store.layout, self.x_rows, self.store.bank(self.layer),
+            cpu_moe(self.store.layout, self.x_rows, self.store.cpu_bank(self.layer),
                     self.weights.expand(ROWS, -1), ids)
         return ROWS * self.top_k * 6 * self.store.hidden * self.store.width
 

@@ -143,9 +143,14 @@ def pack_int4_bank(layout: QuantExpertLayout, bank: dict) -> dict | None:
     torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the checkpoint's bytes, 1.8x
     torch's bf16 product at 1 row and 3-12x the tile decode): {"w13": Int4Packed, "w2": ..,
     biases}. None where it does not apply (not int4, not bf16, shapes the kernel refuses)."""
-    parts = {which: layout.weights(bank, which) for which in ("w13", "w2")}
-    if not all(isinstance(w, dict) and tk.packable_int4(layout.fmt, w, layout.dtype)
-               for w in parts.values()):
+    if not packable_int4_bank(layout, bank):
         return None
-    packed = {which: tk.Int4Packed(layout.fmt, w) for which, w in parts.items()}
+    packed = {which: tk.Int4Packed(layout.fmt, layout.weights(bank, which))
+              for which in ("w13", "w2")}
     return packed | {name: t for name, t in bank.items() if name in ("b13", "b2")}
+
+
+def packable_int4_bank(layout: QuantExpertLayout, bank: dict) -> bool:
+    """Whether pack_int4_bank would pack this bank (without packing it)."""
+    return all(isinstance(w, dict) and tk.packable_int4(layout.fmt, w, layout.dtype)
+               for w in (layout.weights(bank, which) for which in ("w13", "w2")))

@@ -261,7 +261,7 @@ class MoeRuntime:
 
     def _cpu(self, layer, x_h, w_h, ids_h, experts) -> torch.Tensor:
         with torch_threads(self.cfg.cpu_threads):
-            return cpu_moe(self.store.layout, x_h, self.store.bank(layer), w_h, ids_h, experts)
+            return cpu_moe(self.store.layout, x_h, self.store.cpu_bank(layer), w_h, ids_h, experts)
 
     def _rank(self, guess_h: torch.Tensor, guess_w_h: torch.Tensor) -> list[int]:
         """The guessed experts [T, k], most likely first: by router probability summed over

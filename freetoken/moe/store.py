@@ -17,8 +17,9 @@ import weakref
 
 import torch
 
+import triton_kernels as tk
 from freetoken.moe.layout import ExpertLayout
-from freetoken.moe.quant_layout import QuantExpertLayout, pack_int4_bank
+from freetoken.moe.quant_layout import QuantExpertLayout, pack_int4_bank, packable_int4_bank
 from freetoken.moe.plan import GiB, MoePlanError
 from freetoken.utils.memory import host_available_bytes
 
@@ -50,6 +51,9 @@ class ExpertStore:
         self.pin_budget_bytes = (0 if not pin else default_pin_budget(available)
                                  if pin_budget_bytes is None else pin_budget_bytes)
         self.banks: dict[int, dict[str, torch.Tensor]] = {}
+        # Layers both fetched and computed on the CPU (hybrid): a second copy packed for the
+        # CPU's product (pack_cpu_copy), where host RAM allowed one.
+        self.cpu_banks: dict[int, dict] = {}
         self.pinned: dict[int, bool] = {}
         self._registered: list[int] = []
         for layer in self.layers:
@@ -70,6 +74,27 @@ class ExpertStore:
     def bank(self, layer: int) -> dict[str, torch.Tensor]:
         """{tensor name: [E, *shape]} of one layer's experts, in host RAM."""
         return self.banks[layer]
+
+    def cpu_bank(self, layer: int) -> dict:
+        """The bank the CPU computes a layer's experts from: its packed copy if it has one."""
+        return self.cpu_banks.get(layer, self.banks[layer])
+
+    def packs_for_cpu(self) -> bool:
+        """Whether this store's format has a faster CPU product to pack for (INT4 in bf16)."""
+        return (isinstance(self.layout, QuantExpertLayout) and bool(self.layers)
+                and packable_int4_bank(self.layout, self.banks[self.layers[0]]))
+
+    def pack_cpu_copy(self, layer: int, spare_bytes: int) -> int:
+        """A layer that is fetched and also computed on the CPU (hybrid): keep a copy of its
+        bank packed for the CPU's product (INT4: about the checkpoint's bytes again) beside
+        the fetched one, if it fits in spare_bytes. Returns the bytes it took (0: none)."""
+        if self.layer_bytes > spare_bytes:
+            return 0
+        packed = pack_int4_bank(self.layout, self.banks[layer])
+        if packed is None:
+            return 0
+        self.cpu_banks[layer] = packed
+        return sum(p.nbytes for p in packed.values() if isinstance(p, tk.Int4Packed))
 
     def pack_cpu(self, layer: int) -> dict | None:
         """A layer whose experts only the CPU computes (never fetched, so never pinned): its
