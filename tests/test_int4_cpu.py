@@ -156,30 +156,70 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model):
             assert llm.runner.moe_report()["counters"]["cpu_experts"] > 0
 
 
+@pytest.fixture
+def int4_gemm_calls(monkeypatch):
+    """Counts the CPU experts run through packed banks (dequant_cpu's dispatch to them)."""
+    import triton_kernels.dequant_cpu as dc
+    calls = []
+    real = dc.fused_moe_int4_cpu
+    monkeypatch.setattr(dc, "fused_moe_int4_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+HYBRID = dict(skip_tokenizer_init=True, dtype="bfloat16", moe_cache_size=8)
+
+
+def _close_to(llm, want, what):
+    # bf16 against float32, the INT4 projections packed (bf16 (scale, zero) pairs: within
+    # s/16 a weight for AWQ's fp16 scales): 3-12% on this tiny model, by path.
+    got = llm.logits(PROMPT)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 0.15, f"{what}: relative logit error {err:.2e} against float32"
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75, what
+
+
 @pytest.mark.usefixtures("one_thread", "no_saved_profiles")
-def test_hybrid_layers_keep_a_packed_copy_for_the_cpu(int4_model, monkeypatch):
+def test_hybrid_layers_keep_a_packed_copy_for_the_cpu(int4_model, monkeypatch, int4_gemm_calls):
     # Hybrid layers are fetched in the checkpoint's layout and computed on the CPU too: the
-    # store keeps a packed copy for the CPU beside the fetched bank (room allowing), and the
-    # tokens equal the resident bf16 engine's.
-    want = LLM(int4_model, skip_tokenizer_init=True, dtype="bfloat16")
-    hybrid = dict(skip_tokenizer_init=True, dtype="bfloat16", moe_backend="hybrid",
-                  moe_cache_size=8, moe_hybrid_k=1)
-    llm = LLM(int4_model, **hybrid)
+    # store keeps a packed copy for the CPU beside the fetched bank (room allowing), the CPU
+    # side runs the int4 GEMM on it, and /v1/instrumentation counts the copy's bytes.
+    import freetoken.engine.model_runner as mr
+    want = LLM(int4_model, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
+    monkeypatch.setattr(mr, "host_available_bytes", lambda: 64 << 30)     # room
+    llm = LLM(int4_model, moe_backend="hybrid", moe_hybrid_k=1, **HYBRID)
     store = llm.runner.expert_store
     layers = llm.runner.moe_plan.cache_layers
     assert layers and set(store.cpu_banks) == set(layers)
     for i in layers:
         assert isinstance(store.cpu_bank(i)["w13"], tk.Int4Packed)
         assert not isinstance(store.bank(i).get("w13"), tk.Int4Packed)   # fetched as stored
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-    got = llm.generate([PROMPT], params)[0].token_ids
-    assert got == want.generate([PROMPT], params)[0].token_ids
-    counters = llm.runner.moe_report()["counters"]
-    assert counters["cpu_experts"] > 0 and counters["experts_fetched"] > 0
-    # No room in host RAM (free RAM read as the reserve itself): no copy, the tile decode,
-    # the same tokens.
-    import freetoken.engine.model_runner as mr
+    int4_gemm_calls.clear()
+    _close_to(llm, want, "hybrid, packed copies")
+    report = llm.runner.moe_report()
+    assert int4_gemm_calls and report["counters"]["cpu_experts"] > 0
+    assert report["counters"]["experts_fetched"] > 0
+    assert report["host"]["cpu_copy_layers"] == sorted(layers)
+    assert report["host"]["cpu_copy_bytes"] == store.cpu_copy_bytes > 0
+    # No room in host RAM (free RAM read as the reserve itself): no copy, the tile decode.
     monkeypatch.setattr(mr, "host_available_bytes", lambda: mr.HYBRID_COPY_RESERVE)
-    tight = LLM(int4_model, **hybrid)
+    tight = LLM(int4_model, moe_backend="hybrid", moe_hybrid_k=1, **HYBRID)
     assert not tight.runner.expert_store.cpu_banks
-    assert tight.generate([PROMPT], params)[0].token_ids == got
+    int4_gemm_calls.clear()
+    _close_to(tight, want, "hybrid, no room")
+    assert not int4_gemm_calls
+
+
+@pytest.mark.usefixtures("one_thread", "no_saved_profiles")
+def test_auto_turned_hybrid_packs_its_cache_layers(int4_model, monkeypatch):
+    # auto weighs fetching against the CPU in the runtime and may turn to hybrid there: the
+    # copies are packed then, for the cache layers only (a CPU layer is repacked in place).
+    import freetoken.engine.model_runner as mr
+    import freetoken.moe.runtime as rt
+    monkeypatch.setattr(mr, "host_available_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(rt, "hybrid_k", lambda *a, **k: 1)               # the CPU shares
+    for kw in ({}, dict(moe_cpu_layers=1)):
+        llm = LLM(int4_model, moe_backend="auto", **HYBRID, **kw)
+        plan, store = llm.runner.moe_plan, llm.runner.expert_store
+        assert plan.backend == "hybrid" and plan.cache_layers, kw
+        assert set(store.cpu_banks) == set(plan.cache_layers), kw
+        assert not set(store.cpu_banks) & set(plan.cpu_layers)

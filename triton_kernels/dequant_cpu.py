@@ -130,8 +130,9 @@ class Decoder:
         the block form one batched product over row blocks, x scaled per column block by that
         row block's scales: xs [N/bn, T, K], T x K x N/bn multiplies (N x K at T = bn). 2^a
         (a <= 120, from headroom and the largest finite scale) keeps x s 2^a finite and away
-        from float32's subnormals; the last factor is applied in float64, so it neither
-        overflows nor underflows where the result does not. Each product term is x s q to
+        from float32's subnormals; when x needed a smaller power than 2^120 (|x s| or |x|
+        beyond 2^6), the last factor is applied in float64, so it neither overflows nor
+        underflows where the result does not. Each product term is x s q to
         float32's rounding, without the reference's rounding of q s to the compute dtype:
         nearer the exact sum, not bit-equal to fused_moe_quant_reference. An inf or nan
         scale reaches only its own block's (row's) outputs, as in the reference."""

@@ -85,7 +85,8 @@ class ModelRunner:
                     log.info("CPU: experts repacked for the CPU's INT4 GEMM (%.1f MiB)",
                              packed / 2**20)
         if self.expert_store is not None:
-            if self.moe_plan.backend == "hybrid":   # packed before the CPU's cost is measured
+            asked = self.moe_plan.backend            # auto may turn to hybrid in the runtime
+            if asked == "hybrid":                     # packed before the CPU's cost is measured
                 self._pack_hybrid_copies(self.moe_plan.cache_layers)
             self.moe = self._moe_runtime(blocks)
             # Layers only the CPU computes: packed for its INT4 GEMM, as a CPU engine's, one
@@ -94,7 +95,7 @@ class ModelRunner:
                 packed = self.expert_store.pack_cpu(i)
                 if packed is not None:
                     blocks[i].experts.pack_cpu(packed)
-            if self.moe_plan.backend != "hybrid" and self.moe.plan.backend == "hybrid":
+            if asked != "hybrid" and self.moe.plan.backend == "hybrid":
                 # auto chose hybrid from the unpacked CPU's cost: its fetch budget stays
                 # on the safe side (more fetches than the packed CPU would need)
                 self._pack_hybrid_copies(self.moe.plan.cache_layers)
@@ -204,14 +205,18 @@ class ModelRunner:
         bytes again), leaving a quarter of free RAM, and at least HYBRID_COPY_RESERVE, to the
         rest of the process."""
         store = self.expert_store
-        if not layers or not store.packs_for_cpu():
+        if not layers or not store.packs_for_cpu(layers[0]):
             return
         reserve = max(HYBRID_COPY_RESERVE, host_available_bytes() // 4)
-        done = sum(store.pack_cpu_copy(l, host_available_bytes() - reserve) for l in layers)
-        log.log(logging.INFO if len(store.cpu_banks) == len(layers) else logging.WARNING,
-                "hybrid: %d of %d layers' experts also packed for the CPU's INT4 GEMM (%.1f MiB "
-                "beside the fetched copy); the others decode tiles (no room in host RAM)",
-                len(store.cpu_banks), len(layers), done / 2**20)
+        for layer in layers:            # free RAM read again for each layer
+            store.pack_cpu_copy(layer, host_available_bytes() - reserve)
+        packed = len(store.cpu_banks)
+        log.info("hybrid: %d of %d layers' experts also packed for the CPU's INT4 GEMM (%.1f "
+                 "MiB beside the fetched copy)", packed, len(layers), store.cpu_copy_bytes / 2**20)
+        if packed < len(layers):
+            log.warning("hybrid: %d layers' CPU experts decode tiles: no room in host RAM for "
+                        "their packed copy (%.1f MiB a layer, %.1f GiB kept free)",
+                        len(layers) - packed, store.layer_bytes / 2**20, reserve / 2**30)
 
     def _num_state_slots(self) -> int:
         """Hybrid models: max_state_slots, or as many as half the cache budget holds (at most

@@ -79,10 +79,17 @@ class ExpertStore:
         """The bank the CPU computes a layer's experts from: its packed copy if it has one."""
         return self.cpu_banks.get(layer, self.banks[layer])
 
-    def packs_for_cpu(self) -> bool:
-        """Whether this store's format has a faster CPU product to pack for (INT4 in bf16)."""
-        return (isinstance(self.layout, QuantExpertLayout) and bool(self.layers)
-                and packable_int4_bank(self.layout, self.banks[self.layers[0]]))
+    def packs_for_cpu(self, layer: int) -> bool:
+        """Whether a layer still in the checkpoint's layout has a faster CPU product to pack
+        for (INT4 in bf16, shapes the int4 GEMM takes)."""
+        return (isinstance(self.layout, QuantExpertLayout)
+                and packable_int4_bank(self.layout, self.banks[layer]))
+
+    @property
+    def cpu_copy_bytes(self) -> int:
+        """Host RAM the hybrid layers' packed copies take, beside total_bytes."""
+        return sum(p.nbytes for bank in self.cpu_banks.values() for p in bank.values()
+                   if isinstance(p, tk.Int4Packed))
 
     def pack_cpu_copy(self, layer: int, spare_bytes: int) -> int:
         """A layer that is fetched and also computed on the CPU (hybrid): keep a copy of its
