@@ -73,14 +73,17 @@ class QuantLinear(nn.Module):
 
     def pack_cpu(self) -> int:
         """A quantized weight on the CPU, in 16 bits: keep a copy the CPU multiplies fast (the
-        checkpoint's tensors stay for dequantized()). INT4 (bf16): packed for torch's CPU int4
-        GEMM (triton_kernels/int4_cpu.py), as many bytes. The other formats (fp8, mxfp4,
-        nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU GEMM for: decoded once in float32 and packed for the
-        fp16-weight GEMM (cpu_matmul.Fp16Weight), 2 bytes a weight, instead of decoding
-        the weight at every call (dequant_cpu.py: 3-8x a bf16 product; a CPU engine's fp8
-        model ran its decode steps at 0.28x the bf16 model's). float16 keeps 11 bits of a
-        decoded value from 2^-14 up (bf16's reference 8; below, an absolute 2^-25 at most);
-        a weight beyond float16's range stays unpacked. Returns the copy's bytes."""
+        checkpoint's tensors stay for dequantized()).
+        - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py), as many
+          bytes.
+        - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
+          GEMM for: decoded once in float32 and packed for the fp16-weight GEMM
+          (cpu_matmul.Fp16Weight), 2 bytes a weight, instead of decoded at every call
+          (dequant_cpu.py: 3-8x a bf16 product; an fp8 CPU engine's decode steps ran at 0.28x
+          the bf16 model's). float16 keeps 11 bits of a decoded value from 2^-14 up (bf16's
+          reference 8; below, an absolute 2^-25 at most); a weight beyond float16's range
+          stays unpacked.
+        Returns the copy's bytes."""
         w = self.weight_dict()
         if tk.packable_int4(self.fmt, w, self.dtype):
             self.packed = tk.Int4Packed(self.fmt, w)
