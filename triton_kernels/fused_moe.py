@@ -124,14 +124,20 @@ def _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activ
     return out
 
 
+def _token_slots(topk_ids, slot_map) -> tuple[list[int], list[int]]:
+    """One token's k routing positions in ascending expert id (the loop's order), and the
+    slot each of those experts sits in."""
+    ids = topk_ids[0].tolist()
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    table = None if slot_map is None else slot_map.tolist()
+    return order, [ids[j] if table is None else table[ids[j]] for j in order]
+
+
 def _moe_one_token_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation):
     """Batch-1 decode on the CPU: the loop's arithmetic (the same matmuls, experts added in id
     order) without its bookkeeping per expert (unique, where, index, index_add_: ~40% of a
     decode step's ops), the routing weights over the k experts at once."""
-    ids = topk_ids[0].tolist()
-    order = sorted(range(len(ids)), key=ids.__getitem__)          # ascending id, as the loop
-    table = None if slot_map is None else slot_map.tolist()
-    slots = [ids[j] if table is None else table[ids[j]] for j in order]
+    order, slots = _token_slots(topk_ids, slot_map)
     gate_up = [F.linear(x, w13[s]) for s in slots]                # k x [1, 2I]
     if b13 is not None:
         gate_up = [g + b13[s] for g, s in zip(gate_up, slots)]
@@ -155,10 +161,7 @@ def moe_one_token(x, up, down, topk_weights, topk_ids, slot_map, b13, b2,
     [1, D] -> [1, 2I] and down(a, slot) [1, I] -> [1, D] per expert, the rest once for the
     k experts (one activation over [k, I]; the weighted sum as one [1, k] @ [k, D] float32
     product). ~1/4 less time for a packed INT4 layer than an expert at a time."""
-    ids = topk_ids[0].tolist()
-    order = sorted(range(len(ids)), key=ids.__getitem__)
-    table = None if slot_map is None else slot_map.tolist()
-    slots = [ids[j] if table is None else table[ids[j]] for j in order]
+    order, slots = _token_slots(topk_ids, slot_map)
     gate_up = torch.cat([up(x, s) for s in slots])                           # [k, 2I]
     if b13 is not None:
         gate_up = gate_up + b13[slots]
