@@ -1,6 +1,5 @@
 """The CPU experts' decode (triton_kernels/dequant_cpu.py) equals dequantize_reference bit for
-bit in every compute dtype and format, ragged fp8 blocks included (4-bit formats decode in
-split column order, evens then odds); fused_moe_quant_cpu equals fused_moe_quant_reference
+bit in every compute dtype and format, ragged fp8 blocks included; fused_moe_quant_cpu equals fused_moe_quant_reference
 with its buffers reused across experts and calls (to bf16's rounding: fp8 keeps the scales out
 of the weight up to FOLD_ROWS rows, the 4-bit formats sum the columns in another order); fp8's
 scaled products are float32-exact and do not overflow where the result is finite."""
@@ -32,14 +31,11 @@ def test_decode_equals_the_reference_bit_for_bit(name, dtype):
     torch.manual_seed(3)
     dec = Decoder(ALL[name], dtype)
 
-    def split(want):
-        return torch.cat([want[:, 0::2], want[:, 1::2]], dim=1) if dec.fmt.packed else want
-
     k = 100 if name.endswith("ragged") else 192          # ragged: K % 48 != 0
     for n in (64, 40):                                 # a second shape: a buffer of its own
         w = _weight(name, (), n, k)
         got = dec.decode(w)
-        want = split(dequantize_reference(ALL[name], w, dtype))
+        want = dequantize_reference(ALL[name], w, dtype)
         assert got.dtype == dtype and torch.equal(got, want), name
     again = dec.decode(w)                              # the same buffer, rewritten
     assert again.data_ptr() == got.data_ptr() and torch.equal(again, want)
@@ -154,8 +150,8 @@ def test_fp8_block_scales_of_zero_inf_and_huge():
 
 
 def test_large_scales_do_not_overflow_the_folded_power_of_two():
-    # The decode leaves e4m3 values / 2^120 and e2m1 values / 2^126 and folds the power into
-    # the scale: a scale of 1000 (fp8) or e4m3's largest, 448 (nvfp4), must not overflow.
+    # The decode leaves e4m3 values / 2^120 and folds the power into the scale: a scale of
+    # 1000 must not overflow; nor e4m3's largest, 448, as an nvfp4 group scale.
     torch.manual_seed(5)
     for fmt, big in ((QuantFormat("fp8_channel"), 1000.0), (QuantFormat("nvfp4"), 448.0)):
         w = random_weight(fmt, (), 32, 64)
@@ -163,8 +159,6 @@ def test_large_scales_do_not_overflow_the_folded_power_of_two():
         for dtype in DTYPES:
             want = dequantize_reference(fmt, w, dtype)
             got = Decoder(fmt, dtype).decode(w)
-            if fmt.packed:
-                want = torch.cat([want[:, 0::2], want[:, 1::2]], dim=1)
             assert torch.equal(got, want) and torch.isfinite(want).all(), (fmt.kind, dtype)
 
 
@@ -185,9 +179,10 @@ def test_linear_in_row_tiles_equals_one_piece(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["fp8_block", "mxfp4", "int4"])
-def test_many_rows_multiply_the_rounded_weights_widened(name):
-    # A prefill chunk's rows: the weight decoded and rounded to bf16 as the reference does,
-    # then multiplied in float32 (cpu_matmul.py), in the 4-bit formats' split column order.
+def test_many_rows_multiply_the_decoded_weights_widened(name):
+    # A prefill chunk's rows, multiplied in float32 (cpu_matmul.py): fp8's weight decoded and
+    # rounded to bf16 as the reference does; the 4-bit formats' float32 values as decoded
+    # (the reference's before it rounds them: INT4's (q - z) * s is not a bf16).
     from triton_kernels.cpu_matmul import WIDE_ROWS
     from triton_kernels.dequant_cpu import FOLD_ROWS
     torch.manual_seed(7)
@@ -195,8 +190,6 @@ def test_many_rows_multiply_the_rounded_weights_widened(name):
     rows = max(WIDE_ROWS, FOLD_ROWS + 1 if name.startswith("fp8") else 0) + 4
     x = torch.randn(rows, 192).bfloat16()
     got = Decoder(ALL[name], torch.bfloat16).linear(x, w)
-    deq = dequantize_reference(ALL[name], w, torch.bfloat16).float()
-    if ALL[name].packed:
-        deq = torch.cat([deq[:, 0::2], deq[:, 1::2]], dim=1)
-        x = torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
+    rounded = torch.float32 if ALL[name].packed else torch.bfloat16
+    deq = dequantize_reference(ALL[name], w, rounded).float()
     assert torch.equal(got, torch.nn.functional.linear(x.float(), deq).bfloat16())

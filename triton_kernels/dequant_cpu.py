@@ -8,16 +8,19 @@ values, in passes of torch's vectorized integer and float loops:
 
     fp8_*  bits <- q as int8 (sign-extended); << 20; & sign|7 bits  -> value / 2^120
            value *= s * 2^120                          (per block / row / tensor, as views)
-    4-bit  bits <- q (low nibbles to columns j, high ones to K/2 + j); << 24 (or 28)
-      e2m1   >> 6 (arithmetic); & sign|3 bits  -> value / 2^126;  *= scale * 2^126 per group
-             (nvfp4: * s then * g, as the reference rounds)
-      int4   >> 28; & 15 -> 0..15;  to float; -= z (or 8); *= s per group
+    4-bit  pairs <- table[q]: one gather, each byte -> its two values as float32 (the low
+           nibble is element 2j), the buffer seen as int64 [N, K/2]
+      e2m1   *= scale per group (mxfp4: 2^(e - 127); nvfp4: * s then * g, as the reference)
+      int4   the table holds q - 8 (or q, then -= z); *= s per group
     then the float32 tile is rounded once to the compute dtype.
 
 Each value equals dequantize_reference's bit for bit (the same float32 products, one
-rounding); the 4-bit formats come out in split column order (evens, then odds) and linear()
-permutes x to match. Ragged fp8 blocks (N or K off the block; experts pad theirs) take the
-reference. A tile of many rows' product is widened to float32 (cpu_matmul.py).
+rounding). Ragged fp8 blocks (N or K off the block; experts pad theirs) take the reference.
+A tile of many rows' product is widened to float32 (cpu_matmul.py); the 4-bit formats' products
+take the float32 values at every row count (as fast at one row as rounding them and a bf16
+GEMV; INT4 with zero points and NVFP4 then skip the reference's rounding of the weight).
+One MoE layer (bench/cpu_moe.py's, in-process A/B against the shift-and-mask decode that
+built the 4-bit bits in 8 passes): 1.5-1.8x at 1 token, 1.4-1.6x at 8-16, 1.2-1.5x at 64.
 
 fp8 products of up to FOLD_ROWS rows skip the scale multiply and the rounding: the bits'
 float32 values (value / 2^120) are the operand of a float32 product, and the scales multiply
@@ -36,18 +39,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-from triton_kernels.dequant import (QuantFormat, _check_linear, _check_moe, _expert,
-                                    dequantize_reference, e8m0_to_float, weight_shape)
+from triton_kernels.dequant import (E2M1_VALUES, QuantFormat, _check_linear, _check_moe,
+                                    _expert, dequantize_reference, e8m0_to_float, weight_shape)
 from triton_kernels.cpu_matmul import widens
 from triton_kernels.fused_moe import SILU, MoeActivation, _activate, moe_one_token
 from triton_kernels.int4_cpu import Int4Packed, fused_moe_int4_cpu
 
 
 F32_E4M3 = 2.0 ** 120     # an e4m3 byte's bits moved into float32's give its value / 2^120
-F32_E2M1 = 2.0 ** 126     # an e2m1 nibble's bits there give its value / 2^126
 SIGN_E4M3 = -0x78100000   # 0x87F00000 as int32: the sign and e4m3's seven bits at 20-26
-SIGN_E2M1 = -0x7E400000   # 0x81C00000: the sign and e2m1's three bits at 22-24
-#   (a nibble at bits 28-31 shifted right by 6, arithmetically: the sign stays at 31)
 
 
 TILE_ELEMENTS = 1 << 20   # weights decoded at a time: 4 MB of int32 bits + the output tile
@@ -61,16 +61,19 @@ class Decoder:
     call of the CPU experts or a dense layer, its buffers reused across the tiles and experts
     of that call.
 
-    Every pass is one of torch's vectorized CPU loops: 8-bit to int32 copies, int32 shifts
-    and masks, float32 multiplies, the float32 to bf16 copy (8-bit to float conversions and
-    mixed-dtype multiplies are scalar loops on the CPU, ~30x slower). A byte's float32 bits
-    are built as the Triton kernels build them (dequant._e4m3_to_f32, _e2m1_to_f32): exact,
-    subnormals included; the power of two that leaves is folded into the scale multiply."""
+    Every pass is one of torch's vectorized CPU loops: 8-bit to int32/int64 copies, int32
+    shifts and masks, a gather, float32 multiplies, the float32 to bf16 copy (8-bit to float
+    conversions and mixed-dtype multiplies are scalar loops on the CPU, ~30x slower). An fp8
+    byte's float32 bits are built as the Triton kernels build them (dequant._e4m3_to_f32):
+    exact, subnormals included; the power of two that leaves is folded into the scale
+    multiply. A 4-bit byte's two values come from a table (_pairs)."""
 
     def __init__(self, fmt: QuantFormat, dtype: torch.dtype):
         self.fmt, self.dtype = fmt, dtype
         self._bits: dict[tuple[int, int], torch.Tensor] = {}
         self._out: dict[tuple[int, int], torch.Tensor] = {}
+        self._indices: dict[tuple[int, int], torch.Tensor] = {}
+        self._tables: dict[bool, torch.Tensor] = {}
 
     def _buffers(self, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 [N, K] bits, whose float32 view is decoded in place; the [N, K] output in
@@ -82,15 +85,44 @@ class Decoder:
                                  else torch.empty(n, k, dtype=self.dtype))
         return bits, self._out[(n, k)]
 
+    def _index(self, n: int, half: int) -> torch.Tensor:
+        """A reused int64 [N, K/2]: a 4-bit weight's bytes, as gather's index."""
+        index = self._indices.get((n, half))
+        if index is None:
+            index = self._indices[(n, half)] = torch.empty(n, half, dtype=torch.int64)
+        return index
+
+    def _pairs(self, fmt: QuantFormat, zero_point: bool) -> torch.Tensor:
+        """int64 [1, 256]: byte b -> the float32 values of its low and high nibbles (elements
+        2j, 2j+1), as one int64's two halves. e2m1's values; int4's nibble (less 8 where the
+        zero point is the implicit 8: exact, as the reference's subtraction)."""
+        table = self._tables.get(zero_point)
+        if table is None:
+            b = torch.arange(256)
+            nib = torch.stack([b & 15, b >> 4], dim=1)
+            if fmt.kind == "int4":
+                value = nib.float() if zero_point else (nib - 8).float()
+            else:
+                value = torch.tensor(E2M1_VALUES)[nib]
+            table = self._tables[zero_point] = value.contiguous().view(torch.int64).view(1, 256)
+        return table
+
     def linear(self, x: torch.Tensor, w: dict) -> torch.Tensor:
         """x [T, K] @ W^T -> [T, N], W decoded TILE_ELEMENTS at a time (whole rows, whole
         scale blocks) into reused buffers that stay in the last-level cache."""
         _, n, k = weight_shape(self.fmt, w)
-        if self.fmt.packed:                    # decode() leaves the columns split (lo | hi)
-            x = torch.cat([x[:, 0::2], x[:, 1::2]], dim=1)
         step = self.fmt.block[0] if self.fmt.kind == "fp8_block" else 1
         rows = max(step, TILE_ELEMENTS // k // step * step)
-        if self._folds(x, n, k):
+        if self.fmt.packed:
+            # 4-bit values in float32 are the operand as decoded: at one row a float32 GEMV
+            # in cache costs what rounding to bf16 and a bf16 GEMV do, from 12 rows the
+            # product is widened anyway (the values differ from the reference's only where
+            # it rounds them: NVFP4's * g, INT4's (q - z) * s).
+            x32 = x.float()
+
+            def product(tile: dict) -> torch.Tensor:
+                return F.linear(x32, self.values(tile))
+        elif self._folds(x, n, k):
             x32 = x.float()
             headroom = _headroom(x32)
 
@@ -170,14 +202,23 @@ class Decoder:
 
     def decode(self, w: dict) -> torch.Tensor:
         """One weight {"q": [N, ..], "s": ..} -> [N, K] in self.dtype, in a reused buffer
-        (valid until the next decode of that shape). Packed 4-bit formats come in split
-        column order: W[:, 0::2] then W[:, 1::2]."""
+        (valid until the next decode of that shape)."""
         fmt = self.fmt
         _, n, k = weight_shape(fmt, w)
         bn, bk = fmt.block
+        out = self._buffers(n, k)[1]
         if fmt.kind == "fp8_block" and (n % bn or k % bk):
-            return self._buffers(n, k)[1].copy_(dequantize_reference(fmt, w, self.dtype))
-        bits, out = self._buffers(n, k)
+            return out.copy_(dequantize_reference(fmt, w, self.dtype))
+        value = self.values(w)
+        return out if self.dtype == torch.float32 else out.copy_(value)
+
+    def values(self, w: dict) -> torch.Tensor:
+        """One weight (whole fp8 blocks) -> float32 [N, K], the reference's values before it
+        rounds them to the compute dtype, in the reused buffer."""
+        fmt = self.fmt
+        _, n, k = weight_shape(fmt, w)
+        bn, bk = fmt.block
+        bits = self._buffers(n, k)[0]
         value = bits.view(torch.float32)
         q, s = w["q"], w["s"]
         if fmt.kind.startswith("fp8"):
@@ -188,34 +229,26 @@ class Decoder:
             else:
                 value.mul_(scale[:, None] if fmt.kind == "fp8_channel" else scale)
         else:
-            # The low nibbles (elements 2j) to columns j, the high ones to K/2 + j: every pass
-            # contiguous (interleaving them is a strided, scalar copy). linear() permutes x
-            # to match; a scale group of g columns is g/2 in each half.
-            half = k // 2
-            bits[:, :half].copy_(q)
-            bits[:, :half].bitwise_left_shift_(4)
-            bits[:, half:].copy_(q)
-            bits.bitwise_left_shift_(24)               # the nibble at bits 28-31
-            g = fmt.group_k
-            grouped = value.view(n, 2, k // g, g // 2)
+            # Each byte's two values (elements 2j, 2j+1) in one gather from a 256-entry table
+            # of float32 pairs, into the int32 buffer seen as int64: one read of the bytes, one
+            # write of the values, in their columns' order (the shift-and-mask passes that
+            # built the bits, 8 of them, were 2.3-3x slower). Then the group scales, as the
+            # reference applies them.
+            index = self._index(n, k // 2)
+            index.copy_(q)
+            torch.gather(self._pairs(fmt, "z" in w).expand(n, 256), 1, index,
+                         out=bits.view(torch.int64))
+            grouped = value.view(n, k // fmt.group_k, fmt.group_k)
             if fmt.kind == "int4":
-                bits.bitwise_right_shift_(28).bitwise_and_(15)   # 0..15
-                value.copy_(bits)
-                zero = w["z"][:, None, :, None].float() if "z" in w else 8.0
-                grouped.sub_(zero).mul_(s.float()[:, None, :, None])
+                if "z" in w:
+                    grouped.sub_(w["z"].float()[:, :, None])
+                grouped.mul_(s.float()[:, :, None])
+            elif fmt.kind == "mxfp4":
+                grouped.mul_(e8m0_to_float(s)[:, :, None])
             else:
-                bits.bitwise_right_shift_(6).bitwise_and_(SIGN_E2M1)
-                if fmt.kind == "mxfp4":
-                    grouped.mul_(_folded(value, e8m0_to_float(s), F32_E2M1)[:, None, :, None])
-                else:
-                    # value * s is exact, then * g as the reference rounds it. 2^126 is split
-                    # 2^64 : 2^62 between them: e4m3's 448 * 2^126 would overflow, and
-                    # v * s * 2^-62 stays a normal float32.
-                    grouped.mul_(s.float()[:, None, :, None] * 2.0 ** 64)
-                    value.mul_(w["g"] * 2.0 ** 62)
-        if out is not value:
-            out.copy_(value)
-        return out
+                grouped.mul_(s.float()[:, :, None])
+                value.mul_(w["g"])
+        return value
 
 
 def _headroom(x32: torch.Tensor) -> float:
