@@ -142,9 +142,10 @@ class TransformersArm:
 
 
 def unpacked_arm(model_dir, dtype, vocab, name="freetoken-unpacked") -> FreeTokenArm:
-    """The same engine with the model runner's CPU packing skipped: every projection is the
-    loaded 16-bit tensor alone (torch's bf16 products), INT4 weights and experts are decoded
-    a tile at a time (dequant_cpu.py) rather than run through torch's int4 GEMM."""
+    """The same engine with the model runner's CPU packing skipped: every projection and
+    expert is the loaded 16-bit tensor alone (torch's bf16 products, not the fp16-weight
+    GEMM), INT4 weights and experts are decoded a tile at a time (dequant_cpu.py) rather than
+    run through torch's int4 GEMM."""
     import freetoken.engine.model_runner as model_runner
     from freetoken.models.layers.moe import ExpertBank
     pack, pack_experts = model_runner.pack_for_cpu, ExpertBank.pack_cpu

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""One MoE layer on the CPU: bf16 experts against each quantized format's CPU decode
-(triton_kernels/dequant_cpu.py), INT4's packed form (int4_cpu.py: experts only the CPU
-computes) and the float32 reference, in one run.
+"""One MoE layer on the CPU: bf16 experts (and their fp16-weight GEMM form, cpu_matmul.Fp16Bank)
+against each quantized format's CPU decode (triton_kernels/dequant_cpu.py), INT4's packed
+form (int4_cpu.py: experts only the CPU computes) and the float32 reference, in one run.
 
     python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
     python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     w13 = (torch.randn(e, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
     w2 = (torch.randn(e, d, i, generator=g) * i ** -0.5).bfloat16()
     arms = {"bf16": lambda x, w, ids: fused_moe_reference(x, w13, w2, w, ids)}
+    if tk.packable(w13) and tk.packable(w2):         # CPU-only experts' form (FBGEMM fp16)
+        f13, f2 = tk.Fp16Bank(w13), tk.Fp16Bank(w2)
+        arms["bf16 packed"] = lambda x, w, ids: fused_moe_reference(x, f13, f2, w, ids)
     for name in [f for f in args.formats.split(",") if f]:
         fmt = QuantFormat(**FORMATS[name])
         q13, q2 = bank(fmt, e, 2 * i, d, g), bank(fmt, e, d, i, g)

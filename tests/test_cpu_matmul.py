@@ -1,7 +1,8 @@
 """16-bit CPU projections (triton_kernels/cpu_matmul.py): widened to float32 for many rows
 (the same product as F.linear up to the order of the float32 sums, chosen from WIDE_ROWS
 rows) and the MoE reference's prefill form against its 16-bit loop; fp16-packed weights (a CPU
-engine's projections), against the float64 product and the unpacked model."""
+engine's projections and experts), against the float64 / float32 products and the float32
+model."""
 
 import pytest
 import torch
@@ -88,11 +89,48 @@ def test_what_packs():
     assert not tk.packable(torch.empty(8, 16, dtype=torch.bfloat16, device="meta"))
 
 
+@pytest.mark.parametrize("t", [1, 9])        # batch 1, and a batch over several experts
+@pytest.mark.parametrize("act", [SILU, SWIGLU_OAI], ids=lambda a: a.kind)
+def test_packed_experts_equal_the_float32_experts(act, t):
+    # Experts packed for the fp16-weight GEMM (Fp16Bank) through fused_moe, slots mapped and
+    # biased: the float32 reference on the same weights within bf16 rounding, as near to it
+    # as the bf16 forms are.
+    g = torch.Generator().manual_seed(3)
+    d, i, e, k, pool = 64, 32, 6, 2, 9
+    w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
+    w2 = (torch.randn(pool, d, i, generator=g) * i ** -0.5).bfloat16()
+    b13, b2 = torch.randn(pool, 2 * i, generator=g).bfloat16(), torch.randn(pool, d, generator=g).bfloat16()
+    x = torch.randn(t, d, generator=g).bfloat16()
+    weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k, dim=-1)
+    slot_map = torch.randperm(pool, generator=g)[:e]
+    kw = dict(b13=b13, b2=b2, activation=act)
+    got = tk.fused_moe(x, tk.Fp16Bank(w13), tk.Fp16Bank(w2), weights, ids, slot_map, **kw)
+    want = fused_moe_reference(x.float(), w13.float(), w2.float(), weights, ids, slot_map,
+                               **{n: v.float() if n != "activation" else v for n, v in kw.items()})
+    bf16 = fused_moe_reference(x, w13, w2, weights, ids, slot_map, **kw)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    err = (got.float() - want).abs().max().item()
+    ref = (bf16.float() - want).abs().max().item()
+    # Both round x, gate_up and the activation to bf16 on the way: the bf16 forms' error, or
+    # about two bf16 units of the output.
+    assert err <= max(1.5 * ref, 2.0 ** -7 * want.abs().max().item())
+    empty = tk.fused_moe(x, tk.Fp16Bank(w13), tk.Fp16Bank(w2), weights[:, :0], ids[:, :0], **kw)
+    assert torch.equal(empty, torch.zeros_like(x))
+
+
+def test_packed_experts_refuse_mismatched_banks():
+    w13, w2 = torch.randn(4, 16, 8).bfloat16(), torch.randn(4, 8, 8).bfloat16()
+    x, weights, ids = torch.randn(2, 8).bfloat16(), torch.rand(2, 1), torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="packed banks"):
+        tk.fused_moe(x, tk.Fp16Bank(w13), w2, weights, ids)                 # one packed
+    with pytest.raises(ValueError, match="packed banks"):
+        tk.fused_moe(torch.randn(2, 4).bfloat16(), tk.Fp16Bank(w13), tk.Fp16Bank(w2), weights, ids)
+
+
 def test_cpu_engine_packs_its_projections(tiny_model_dir):  # noqa: F811
-    """A bf16 model on the CPU: every Linear carries a packed copy beside its weight, used
-    from 2 rows (one row stays the bf16 product); the experts stay stacked tensors; the
-    logits of a prompt (its rows through the packed copies) follow the unpacked model's
-    within bf16 rounding."""
+    """A bf16 model on the CPU: every Linear carries a packed copy beside its weight, used at
+    every row count; the experts are repacked in place (Fp16Bank); the logits of a prompt
+    follow the float32 model's within bf16 rounding, and a float32 model packs nothing."""
     from freetoken import LLM
     from freetoken.models.layers.linear import Linear
     llm = LLM(str(tiny_model_dir("qwen3_moe")), skip_tokenizer_init=True, dtype="bfloat16")
@@ -100,15 +138,67 @@ def test_cpu_engine_packs_its_projections(tiny_model_dir):  # noqa: F811
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None and m.weight.dtype == torch.bfloat16
                            for m in linears)
-    assert all(isinstance(b.experts.w13, torch.nn.Parameter) for b in model.moe_blocks().values())
+    banks = [b.experts for b in model.moe_blocks().values()]
+    assert banks and all(isinstance(b.bank()["w13"], tk.Fp16Bank) and not hasattr(b, "w13")
+                         for b in banks)
     q = linears[0]
     one, rows = torch.randn(1, q.in_features).bfloat16(), torch.randn(3, q.in_features).bfloat16()
-    assert torch.equal(q(one), F.linear(one, q.weight, q.bias))
-    assert torch.equal(q(rows), q.packed(rows))
+    assert torch.equal(q(one), q.packed(one)) and torch.equal(q(rows), q.packed(rows))
+    torch.testing.assert_close(q(one).float(), F.linear(one, q.weight, q.bias).float(),
+                               atol=0.02, rtol=0.02)
     ids = [5, 17, 99, 3, 200, 7, 8, 45, 11]
-    packed_logits = llm.logits(ids)
-    for m in linears:
-        m.packed = None
-    torch.testing.assert_close(packed_logits, llm.logits(ids), atol=0.06, rtol=0.03)
     f32 = LLM(str(tiny_model_dir("qwen3_moe")), skip_tokenizer_init=True, dtype="float32")
     assert all(m.packed is None for m in f32.runner.model.modules() if isinstance(m, Linear))
+    assert all(b.experts.packed is None for b in f32.runner.model.moe_blocks().values())
+    want = f32.logits(ids)
+    got = llm.logits(ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.fixture(scope="module")
+def bf16_moe_model(tmp_path_factory):
+    from freetoken.demo.tiny_model import make_tiny_model
+    out = tmp_path_factory.mktemp("bf16moe") / "m"
+    make_tiny_model(out, family="qwen3_moe", seed=4, dtype="bfloat16", hidden_size=64,
+                    num_layers=3, num_heads=4, num_kv_heads=2, num_experts=8, top_k=2,
+                    moe_intermediate_size=32, intermediate_size=96, vocab_size=2048,
+                    max_position_embeddings=512, mlp_only_layers=(1,))
+    return str(out)
+
+
+@pytest.mark.usefixtures("one_thread", "no_saved_profiles")
+def test_experts_only_the_cpu_computes_are_packed(bf16_moe_model, monkeypatch):
+    # Every bank only the CPU computes is repacked in place (the store's, one copy); hybrid
+    # layers, also fetched, keep their bf16 bank and, room allowing, a packed copy; every
+    # path's logits follow the float32 engine's.
+    import freetoken.engine.model_runner as mr
+    from freetoken import LLM
+    prompt = [5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2]
+    want = LLM(bf16_moe_model, skip_tokenizer_init=True, dtype="float32").logits(prompt)
+    monkeypatch.setattr(mr, "host_available_bytes", lambda: 64 << 30)     # room for copies
+    runs = {"resident": {}, "cpu": dict(moe_backend="cpu"),
+            "cpu-layers": dict(moe_backend="offload", moe_cache_size=8, moe_cpu_layers="2"),
+            "hybrid": dict(moe_backend="hybrid", moe_hybrid_k=1, moe_cache_size=8)}
+    for name, kw in runs.items():
+        llm = LLM(bf16_moe_model, skip_tokenizer_init=True, dtype="bfloat16", **kw)
+        blocks, store = llm.runner.model.moe_blocks(), llm.runner.expert_store
+        cpu_layers = llm.runner.moe_plan.cpu_layers if store else tuple(blocks)
+        assert (name == "hybrid") != bool(cpu_layers), name
+        for i, b in blocks.items():
+            bank = b.experts.bank()
+            assert isinstance(bank["w13"], tk.Fp16Bank) == (i in cpu_layers), f"{name} {i}"
+            if store is not None:
+                assert (store.bank(i) is bank) == (i in cpu_layers)
+        if name == "hybrid":
+            layers = llm.runner.moe_plan.cache_layers
+            assert layers and set(store.cpu_banks) == set(layers)
+            assert all(isinstance(store.cpu_bank(i)["w2"], tk.Fp16Bank)
+                       and isinstance(store.bank(i)["w2"], torch.Tensor) for i in layers)
+            assert llm.runner.moe_report()["host"]["cpu_copy_bytes"] == store.cpu_copy_bytes > 0
+        got = llm.logits(prompt)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err < 0.05, f"{name}: relative logit error {err:.2e} against float32"
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75, name
+        if store is not None:
+            assert llm.runner.moe_report()["counters"]["cpu_experts"] > 0, name

@@ -9,23 +9,26 @@ so from WIDE_ROWS rows on the weight is widened, a tile of rows at a time. Both 
 output to x's dtype once; the sums run in other orders, so the bits differ in the last place.
 On the GPU and in float32 this is F.linear.
 
-Packed weights (Fp16Weight), for the projections of a model that runs on the CPU: torch's
-fp16-weight GEMM (FBGEMM, the kernel behind dynamic fp16 quantization: 2-byte weights widened
-in registers, float32 activations and sums) is the fastest 16-bit product torch has on AVX2
-from 2 rows up. Measured on the 2-core EPYC against the bf16 product (and the widened one
-from 12 rows): 2 rows 1.4-1.8x, 8 rows 3-5x, 16 rows 2.6-3.8x, 64 rows 1.5-1.9x, 512 rows
-1.2-1.8x (a 32k-row lm_head 0.9x; prefill takes only the last rows' logits). At one row it
-is 0.85x on large weights cold in DRAM, so one row stays the bf16 product. The MoE experts are
-not packed: one layer through it was 0.84x the stacked bf16 experts at 1 token, 0.91x at 8
-and 512, 1.14x at 16 (torch's grouped bf16 product and the widened loop hold their own). A
+Packed weights (Fp16Weight, Fp16Bank), for the projections and experts of a model that runs
+on the CPU: torch's fp16-weight GEMM (FBGEMM, the kernel behind dynamic fp16 quantization:
+2-byte weights widened in registers by F16C, float32 activations and sums) is the fastest
+16-bit product torch has on AVX2 at every row count. torch's bf16 product at one row is
+bound by its bf16 widening, not by DRAM: on the 2-core EPYC, weights cold in DRAM, one row
+read 6-11 GB/s of bf16 ([1024, 256] to [1024, 1024]; 16 for a [32768, 1024] lm_head) where the
+packed fp16 GEMM read 16-20 (27) GB/s: 1.7-2.7x. From 2 rows (against the bf16 product and the
+widened one from 12 rows): 2 rows 1.4-1.8x, 8 rows 3-5x, 16 rows 2.6-3.8x, 64 rows 1.5-1.9x,
+512 rows 1.2-1.8x. One MoE layer of packed experts (Fp16Bank; 64 experts, top-8, D 1024,
+I 256) against fused_moe's bf16 CPU forms: 2.0x at 1 token, 1.7x at 8-16, 1.44x at 64. A
 bfloat16 weight converts to float16 exactly where 2^-14 <= |w| <= 65504 (float16 has more
 mantissa bits); smaller weights lose bits, at most 2^-25 in absolute value (bfloat16's own
-rounding of a weight of 0.05 is 2^-13). A weight with |w| > 65504 is not packed.
+rounding of a weight of 0.05 is 2^-13). A weight with |w| > 65504 is not packed. Outputs
+are not HF's bf16 bits (other sums, in float32): a packed model is held to tolerance.
 """
 
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -75,13 +78,35 @@ class Fp16Weight:
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class Fp16Bank:
+    """A bank of 16-bit experts [E, N, K], each packed for the fp16-weight GEMM (Fp16Weight),
+    for experts only the CPU computes: the same 2 bytes a weight as the bank it replaces.
+    One MoE layer (64 experts, top-8, D 1024, I 256, fresh routing per call) against
+    fused_moe's bf16 CPU forms: 2.0x at 1 token, 1.7x at 8 and 16, 1.44x at 64."""
+
+    def __init__(self, w: torch.Tensor):
+        self.experts, self.n, self.k = w.shape
+        self.dtype = w.dtype
+        self.nbytes = w.numel() * 2
+        # FBGEMM's packer is one thread a matrix (~4 ns a weight with the float32 copy it
+        # takes; a model's experts at load): experts packed on torch's thread count at once.
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            self.mats = list(pool.map(lambda e: Fp16Weight(w[e]), range(self.experts)))
+
+    def linear(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """x [T, K] @ W[expert]^T -> [T, N] in x's dtype."""
+        return self.mats[expert](x)
+
+
 def packable(weight: torch.Tensor, decoded: bool = False) -> bool:
     """A 16-bit CPU weight (decoded: one in any float dtype, decoded from a quantized format)
     inside float16's range, on a torch that has the GEMM."""
-    return (weight.device.type == "cpu" and (decoded or weight.dtype in _NARROW)
+    if not (weight.device.type == "cpu" and (decoded or weight.dtype in _NARROW)
             and weight.numel() > 0
-            and packs_fp16() and hasattr(torch, "fbgemm_linear_fp16_weight")
-            and bool(weight.abs().max() <= FP16_MAX))
+            and packs_fp16() and hasattr(torch, "fbgemm_linear_fp16_weight")):
+        return False
+    low, high = torch.aminmax(weight)           # no |w| copy (a bank's experts: 12x faster)
+    return bool((low >= -FP16_MAX) & (high <= FP16_MAX))        # nan: False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
-from triton_kernels.cpu_matmul import linear, widens
+from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
 from triton_kernels.moe_align import moe_align
 
 
@@ -71,6 +71,10 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         activation: MoeActivation = SILU) -> torch.Tensor:
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
+    if isinstance(w13, Fp16Bank):       # experts only the CPU computes, packed for its GEMM
+        _check_packed(x, w13, w2)
+        return moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                                activation)
     # On the CPU (the CPU experts, the whole CPU engine), by rows per used expert:
     # - one token: the loop without its bookkeeping per expert (_moe_one_token_torch);
     # - a few (decode batches): one grouped call per projection; a Python loop over experts
@@ -171,6 +175,54 @@ def moe_one_token(x, up, down, topk_weights, topk_ids, slot_map, b13, b2,
         h = h + b2[slots]
     weights = topk_weights[0, order].float()[None]                           # [1, k]
     return (weights @ h.float()).to(x.dtype)
+
+
+def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                     activation: MoeActivation) -> torch.Tensor:
+    """The CPU experts from two banks packed for a CPU GEMM (int4_cpu.Int4Packed,
+    cpu_matmul.Fp16Bank: `.linear(x, slot)`), w13 [S, 2I, D] and w2 [S, D, I]: each used
+    expert's tokens through its two products, the experts' outputs weighted and summed in
+    float32 (batch 1: moe_one_token; more tokens: one index_add_)."""
+    out = torch.zeros_like(x)
+    if not topk_ids.numel():
+        return out
+    if x.shape[0] == 1:
+        return moe_one_token(x, w13.linear, w2.linear, topk_weights, topk_ids, slot_map,
+                             b13, b2, activation)
+    # The (token, k) pairs sorted by expert, gathered once: each used expert's rows are one
+    # contiguous slice (no where/index/index_add per expert), summed back in one index_add_.
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique(flat, return_counts=True)
+    slots = (experts if slot_map is None else slot_map[experts]).tolist()
+    token = order // topk_ids.shape[1]
+    rows = x.index_select(0, token).split(counts.tolist())
+    h = torch.cat([_packed_expert(r, w13, w2, slot, b13, b2, activation)
+                   for r, slot in zip(rows, slots)])
+    weights = topk_weights.reshape(-1)[order, None].float()
+    return out.float().index_add_(0, token, h.float() * weights).to(x.dtype)
+
+
+def _check_packed(x, w13, w2) -> None:
+    if not (isinstance(w2, Fp16Bank) and x.dim() == 2 and x.device.type == "cpu"
+            and w13.k == x.shape[1] == w2.n and w13.n == 2 * w2.k
+            and w13.experts == w2.experts):
+        raise ValueError(f"fused_moe: packed banks w13 [S, 2I, D], w2 [S, D, I] and x [T, D] "
+                         f"on the CPU expected, got x {tuple(x.shape)} on {x.device}, w13 "
+                         f"[{w13.experts}, {w13.n}, {w13.k}], w2 {_bank_shape(w2)}")
+
+
+def _bank_shape(w) -> str:
+    return (f"[{w.experts}, {w.n}, {w.k}]" if isinstance(w, Fp16Bank)
+            else f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))}")
+
+
+def _packed_expert(x, w13, w2, slot, b13, b2, activation):
+    gate_up = w13.linear(x, slot)
+    if b13 is not None:
+        gate_up = gate_up + b13[slot]
+    h = w2.linear(_activate(*gate_up.chunk(2, dim=-1), activation), slot)
+    return h if b2 is None else h + b2[slot]
 
 
 def _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation):
@@ -654,5 +706,5 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map, b13=None, b2=N
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None, b2=None,
               activation: MoeActivation = SILU):
-    op = fused_moe_triton if use_triton(x) else fused_moe_reference
+    op = fused_moe_triton if use_triton(x) and not isinstance(w13, Fp16Bank) else fused_moe_reference
     return op(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13, b2=b2, activation=activation)

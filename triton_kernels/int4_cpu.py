@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from triton_kernels.dequant import QuantFormat, weight_shape
-from triton_kernels.fused_moe import SILU, MoeActivation, _activate, moe_one_token
+from triton_kernels.fused_moe import SILU, MoeActivation, moe_packed_banks
 
 GROUPS = (32, 64, 128, 256)      # the kernel's group sizes
 ROWS = 16                        # N must be a multiple: the packing interleaves 16 rows
@@ -84,36 +84,12 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
 def fused_moe_int4_cpu(x, w13: Int4Packed, w2: Int4Packed, topk_weights, topk_ids,
                        slot_map=None, *, b13=None, b2=None,
                        activation: MoeActivation = SILU) -> torch.Tensor:
-    """fused_moe_quant_cpu's arithmetic on packed banks (w13 [S, 2I, D], w2 [S, D, I]): each
-    used expert's tokens through its two products; the experts' outputs weighted and summed
-    in float32 (batch 1: one [1, k] @ [k, D] product; more tokens: one index_add_)."""
+    """fused_moe_quant_cpu's arithmetic on packed banks (w13 [S, 2I, D], w2 [S, D, I]):
+    fused_moe.moe_packed_banks."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or w13.experts is None \
             or w2.experts != w13.experts or w13.k != x.shape[1] or w2.n != x.shape[1] \
             or w13.n != 2 * w2.k:
         raise ValueError(f"fused_moe_int4_cpu: x [T, D] bf16 and banks w13 [S, 2I, D], w2 "
                          f"[S, D, I] expected, got x {tuple(x.shape)} {x.dtype}, w13 "
                          f"[{w13.experts}, {w13.n}, {w13.k}], w2 [{w2.experts}, {w2.n}, {w2.k}]")
-    out = torch.zeros_like(x)
-    if not topk_ids.numel():
-        return out
-    if x.shape[0] == 1:
-        return moe_one_token(x, w13.linear, w2.linear, topk_weights, topk_ids, slot_map,
-                             b13, b2, activation)
-    # The (token, k) pairs sorted by expert, gathered once: each used expert's rows are one
-    # contiguous slice (no where/index/index_add per expert), summed back in one index_add_.
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique(flat, return_counts=True)
-    slots = (experts if slot_map is None else slot_map[experts]).tolist()
-    token = order // topk_ids.shape[1]
-    rows = x.index_select(0, token).split(counts.tolist())
-    h = torch.cat([_expert(r, w13, w2, slot, b13, b2, activation) for r, slot in zip(rows, slots)])
-    return out.index_add_(0, token, h * topk_weights.reshape(-1)[order, None].to(h.dtype))
-
-
-def _expert(x, w13, w2, slot, b13, b2, activation):
-    gate_up = w13.linear(x, slot)
-    if b13 is not None:
-        gate_up = gate_up + b13[slot]
-    h = w2.linear(_activate(*gate_up.chunk(2, dim=-1), activation), slot)
-    return h if b2 is None else h + b2[slot]
+    return moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)

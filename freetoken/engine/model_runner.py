@@ -82,15 +82,16 @@ class ModelRunner:
             if self.expert_store is None:       # resident experts: the CPU computes them all
                 packed = sum(b.experts.pack_cpu() for b in blocks.values())
                 if packed:
-                    log.info("CPU: experts repacked for the CPU's INT4 GEMM (%.1f MiB)",
-                             packed / 2**20)
+                    log.info("CPU: experts repacked for the CPU's fp16-weight or INT4 GEMM "
+                             "(%.1f MiB)", packed / 2**20)
         if self.expert_store is not None:
             asked = self.moe_plan.backend            # auto may turn to hybrid in the runtime
             if asked == "hybrid":                     # packed before the CPU's cost is measured
                 self._pack_hybrid_copies(self.moe_plan.cache_layers)
             self.moe = self._moe_runtime(blocks)
-            # Layers only the CPU computes: packed for its INT4 GEMM, as a CPU engine's, one
-            # layer at a time (its checkpoint tensors freed before the next one packs).
+            # Layers only the CPU computes: packed for its fp16-weight or INT4 GEMM, as a CPU
+            # engine's, one layer at a time (its checkpoint tensors freed before the next one
+            # packs).
             for i in self.moe_plan.cpu_layers:
                 packed = self.expert_store.pack_cpu(i)
                 if packed is not None:
@@ -200,10 +201,11 @@ class ModelRunner:
 
     def _pack_hybrid_copies(self, layers: tuple[int, ...]) -> None:
         """Hybrid layers are fetched in the checkpoint's layout and computed on the CPU as
-        well: where the format has a faster CPU product (INT4 in bf16: 3-12x the tile decode)
-        and host RAM has room, each keeps a packed copy for the CPU beside it (the layer's
-        bytes again), leaving a quarter of free RAM, and at least HYBRID_COPY_RESERVE, to the
-        rest of the process."""
+        well: where the format has a faster CPU product (16-bit weights: the fp16-weight GEMM,
+        1.4-2x torch's bf16 products; INT4 in bf16: 3-12x the tile decode) and host RAM has
+        room, each keeps a packed copy for the CPU beside it (the layer's bytes again),
+        leaving a quarter of free RAM, and at least HYBRID_COPY_RESERVE, to the rest of the
+        process."""
         store = self.expert_store
         if not layers or not store.packs_for_cpu(layers[0]):
             return
@@ -211,10 +213,10 @@ class ModelRunner:
         for layer in layers:            # free RAM read again for each layer
             store.pack_cpu_copy(layer, host_available_bytes() - reserve)
         packed = len(store.cpu_banks)
-        log.info("hybrid: %d of %d layers' experts also packed for the CPU's INT4 GEMM (%.1f "
+        log.info("hybrid: %d of %d layers' experts also packed for the CPU's GEMM (%.1f "
                  "MiB beside the fetched copy)", packed, len(layers), store.cpu_copy_bytes / 2**20)
         if packed < len(layers):
-            log.warning("hybrid: %d layers' CPU experts decode tiles: no room in host RAM for "
+            log.warning("hybrid: %d layers' CPU experts run unpacked: no room in host RAM for "
                         "their packed copy (%.1f MiB a layer, %.1f GiB kept free)",
                         len(layers) - packed, store.layer_bytes / 2**20, reserve / 2**30)
 

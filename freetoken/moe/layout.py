@@ -92,3 +92,16 @@ class ExpertLayout:
         """The same through the torch reference, whatever the device (the CPU experts)."""
         return tk.fused_moe_reference(x, bank["w13"], bank["w2"], topk_weights, topk_ids,
                                       slot_map, **self.kernel_kwargs(bank))
+
+    def packs_cpu(self, bank: dict) -> bool:
+        """Whether pack_cpu would pack this bank (without packing it): 16-bit weights on the
+        CPU inside float16's range, on a torch with the fp16-weight GEMM."""
+        return all(isinstance(bank[w], torch.Tensor) and tk.packable(bank[w]) for w in ("w13", "w2"))
+
+    def pack_cpu(self, bank: dict) -> dict | None:
+        """A bank only the CPU computes, {"w13": [E, 2I, D], ..}, with w13 and w2 packed for
+        the fp16-weight GEMM (cpu_matmul.Fp16Bank: as many bytes, 1.4-2x torch's bf16
+        products): {"w13": Fp16Bank, "w2": .., biases}. None where it does not apply."""
+        if not self.packs_cpu(bank):
+            return None
+        return {name: tk.Fp16Bank(t) if name in ("w13", "w2") else t for name, t in bank.items()}

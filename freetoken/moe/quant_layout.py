@@ -92,7 +92,7 @@ class QuantExpertLayout(ExpertLayout):
     @staticmethod
     def weights(bank: dict[str, torch.Tensor], which: str) -> dict[str, torch.Tensor]:
         """{"q": .., "s": ..} of "w13" or "w2" out of a bank {"w13.q": .., ...}; or, in a bank
-        packed for the CPU (pack_int4_bank), its Int4Packed."""
+        packed for the CPU (pack_cpu), its Int4Packed."""
         if which in bank:
             return bank[which]
         return {name[len(which) + 1:]: t for name, t in bank.items() if name.startswith(which + ".")}
@@ -100,6 +100,23 @@ class QuantExpertLayout(ExpertLayout):
     def run(self, x, bank, topk_weights, topk_ids, slot_map=None):
         return tk.fused_moe_quant(x, self.fmt, self.weights(bank, "w13"), self.weights(bank, "w2"),
                                   topk_weights, topk_ids, slot_map, **self.kernel_kwargs(bank))
+
+    def packs_cpu(self, bank: dict) -> bool:
+        """Whether pack_cpu would pack this bank (without packing it)."""
+        return all(isinstance(w, dict) and tk.packable_int4(self.fmt, w, self.dtype)
+                   for w in (self.weights(bank, which) for which in ("w13", "w2")))
+
+    def pack_cpu(self, bank: dict) -> dict | None:
+        """A bank only the CPU computes, {"w13.q": [E, ..], ..}, with w13 and w2 repacked for
+        torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the checkpoint's bytes,
+        1.8x torch's bf16 product at 1 row and 3-12x the tile decode): {"w13": Int4Packed,
+        "w2": .., biases}. None where it does not apply (not int4, not bf16, shapes the
+        kernel refuses)."""
+        if not self.packs_cpu(bank):
+            return None
+        packed = {which: tk.Int4Packed(self.fmt, self.weights(bank, which))
+                  for which in ("w13", "w2")}
+        return packed | {name: t for name, t in bank.items() if name in ("b13", "b2")}
 
     def run_reference(self, x, bank, topk_weights, topk_ids, slot_map=None):
         """The CPU experts: one routed expert decoded at a time, a tile of rows at a time,
@@ -136,21 +153,3 @@ class QuantExpertLayout(ExpertLayout):
             dst.fill_(1 if name.endswith(".s") else 0)
             dst = dst[tuple(slice(0, w) for w in want)]
         dst.copy_(t)
-
-
-def pack_int4_bank(layout: QuantExpertLayout, bank: dict) -> dict | None:
-    """A bank only the CPU computes, {"w13.q": [E, ..], ..}, with w13 and w2 repacked for
-    torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the checkpoint's bytes, 1.8x
-    torch's bf16 product at 1 row and 3-12x the tile decode): {"w13": Int4Packed, "w2": ..,
-    biases}. None where it does not apply (not int4, not bf16, shapes the kernel refuses)."""
-    if not packable_int4_bank(layout, bank):
-        return None
-    packed = {which: tk.Int4Packed(layout.fmt, layout.weights(bank, which))
-              for which in ("w13", "w2")}
-    return packed | {name: t for name, t in bank.items() if name in ("b13", "b2")}
-
-
-def packable_int4_bank(layout: QuantExpertLayout, bank: dict) -> bool:
-    """Whether pack_int4_bank would pack this bank (without packing it)."""
-    return all(isinstance(w, dict) and tk.packable_int4(layout.fmt, w, layout.dtype)
-               for w in (layout.weights(bank, which) for which in ("w13", "w2")))

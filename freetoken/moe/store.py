@@ -17,9 +17,7 @@ import weakref
 
 import torch
 
-import triton_kernels as tk
 from freetoken.moe.layout import ExpertLayout
-from freetoken.moe.quant_layout import QuantExpertLayout, pack_int4_bank, packable_int4_bank
 from freetoken.moe.plan import GiB, MoePlanError
 from freetoken.utils.memory import host_available_bytes
 
@@ -81,37 +79,36 @@ class ExpertStore:
 
     def packs_for_cpu(self, layer: int) -> bool:
         """Whether a layer still in the checkpoint's layout has a faster CPU product to pack
-        for (INT4 in bf16, shapes the int4 GEMM takes)."""
-        return (isinstance(self.layout, QuantExpertLayout)
-                and packable_int4_bank(self.layout, self.banks[layer]))
+        for (the layout's packs_cpu: 16-bit weights, INT4 in bf16 in shapes the int4 GEMM
+        takes)."""
+        return self.layout.packs_cpu(self.banks[layer])
 
     @property
     def cpu_copy_bytes(self) -> int:
         """Host RAM the hybrid layers' packed copies take, beside total_bytes."""
-        return sum(p.nbytes for bank in self.cpu_banks.values() for p in bank.values()
-                   if isinstance(p, tk.Int4Packed))
+        return sum(_packed_bytes(bank) for bank in self.cpu_banks.values())
 
     def pack_cpu_copy(self, layer: int, spare_bytes: int) -> int:
         """A layer that is fetched and also computed on the CPU (hybrid): keep a copy of its
-        bank packed for the CPU's product (INT4: about the checkpoint's bytes again) beside
-        the fetched one, if it fits in spare_bytes. Returns the bytes it took (0: none)."""
+        bank packed for the CPU's product (about the checkpoint's bytes again) beside the
+        fetched one, if it fits in spare_bytes. Returns the bytes it took (0: none)."""
         if self.layer_bytes > spare_bytes:
             return 0
-        packed = pack_int4_bank(self.layout, self.banks[layer])
+        packed = self.layout.pack_cpu(self.banks[layer])
         if packed is None:
             return 0
         self.cpu_banks[layer] = packed
-        return sum(p.nbytes for p in packed.values() if isinstance(p, tk.Int4Packed))
+        return _packed_bytes(packed)
 
     def pack_cpu(self, layer: int) -> dict | None:
         """A layer whose experts only the CPU computes (never fetched, so never pinned): its
-        bank repacked in place for a faster CPU product where the format has one (INT4:
-        quant_layout.pack_int4_bank). Returns the packed bank (the caller hands it to the
-        model's ExpertBank at once, so the checkpoint's tensors go before the next layer
-        packs), or None: a pinned layer or another format stays as it is."""
-        if not isinstance(self.layout, QuantExpertLayout) or self.pinned[layer]:
+        bank repacked in place for a faster CPU product where the format has one (the
+        layout's pack_cpu). Returns the packed bank (the caller hands it to the model's
+        ExpertBank at once, so the checkpoint's tensors go before the next layer packs), or
+        None: a pinned layer or a format without one stays as it is."""
+        if self.pinned[layer]:
             return None
-        packed = pack_int4_bank(self.layout, self.banks[layer])
+        packed = self.layout.pack_cpu(self.banks[layer])
         if packed is not None:
             self.banks[layer] = packed
         return packed
@@ -142,3 +139,8 @@ def _unregister(ptrs: list[int]) -> None:
         for p in ptrs:
             cudart.cudaHostUnregister(p)
     ptrs.clear()
+
+
+def _packed_bytes(bank: dict) -> int:
+    """A packed bank's bytes: its w13 and w2 (the biases are the checkpoint bank's own)."""
+    return sum(bank[which].nbytes for which in ("w13", "w2"))

@@ -3,7 +3,7 @@
 Linear is nn.Linear (same parameters, same checkpoint names) whose forward is tk.linear:
 F.linear, except on the CPU where a 16-bit weight is widened for products of many rows
 (triton_kernels/cpu_matmul.py: a prefill chunk's projections run 6x faster on AVX2), or, in a
-model the runner packed for the CPU (pack_for_cpu), its fp16-packed copy from 2 rows up.
+model the runner packed for the CPU (pack_for_cpu), its fp16-packed copy.
 
 QuantLinear: a projection whose weight stays in its checkpoint's quantized format.
 
@@ -33,23 +33,23 @@ class Linear(nn.Linear):
 
     def pack_cpu(self) -> int:
         """Keep a copy of the 16-bit weight packed for the CPU's fp16-weight GEMM (the weight
-        stays: one row is faster through it, and tied embeddings and MLA's folded kv_b_proj
-        read it). Returns the copy's bytes."""
+        stays: tied embeddings and MLA's folded kv_b_proj read it). Returns the copy's
+        bytes."""
         if not tk.packable(self.weight):
             return 0
         self.packed = tk.Fp16Weight(self.weight, self.bias)
         return self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.numel() > x.shape[-1]:      # 2 rows and more
+        if self.packed is not None:
             return self.packed(x)
         return tk.linear(x, self.weight, self.bias)
 
 
 def pack_for_cpu(model: nn.Module) -> int:
     """A model that runs on the CPU in 16 bits: every Linear gains an fp16-packed copy of its
-    weight (triton_kernels/cpu_matmul.py: 1.4-5x torch's bf16 product from 2 rows, decode
-    batches and prefill chunks), every QuantLinear one the CPU multiplies fast (pack_cpu).
+    weight (triton_kernels/cpu_matmul.py: 1.6-2.7x torch's bf16 product at 1 row, 1.4-5x
+    from 2 rows), every QuantLinear one the CPU multiplies fast (pack_cpu).
     Projections a module names in its `matrix_only` (read as matrices, never called: MLA's
     kv_b_proj) are left as they are. Returns the bytes added."""
     skip = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "matrix_only", ())}

@@ -16,7 +16,7 @@ from torch import nn
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.router import Router
 from freetoken.moe.layout import ExpertLayout
-from freetoken.moe.quant_layout import QuantExpertLayout, pack_int4_bank
+from freetoken.moe.quant_layout import QuantExpertLayout
 
 
 class ExpertBank(nn.Module):
@@ -54,7 +54,8 @@ class ExpertBank(nn.Module):
     def layout(self) -> ExpertLayout:
         """The layout in the dtype the model was cast to (built with a placeholder dtype; a
         quantized layout is built after the cast, in the compute dtype)."""
-        if not isinstance(self._layout, QuantExpertLayout) and self._layout.dtype != self.w13.dtype:
+        if (self.packed is None and not isinstance(self._layout, QuantExpertLayout)
+                and self._layout.dtype != self.w13.dtype):
             self._layout = self._layout.with_dtype(self.w13.dtype)
         return self._layout
 
@@ -64,21 +65,19 @@ class ExpertBank(nn.Module):
         return {name: getattr(self, self.attr(name)) for name in self._layout.names}
 
     def pack_cpu(self, packed: dict | None = None) -> int:
-        """Experts only the CPU computes, in a format it has a faster product for (INT4:
-        quant_layout.pack_int4_bank), replacing the checkpoint's tensors. packed: the host
-        store's bank, already packed (ExpertStore.pack_cpu). Returns the packed bytes (0:
-        nothing to pack)."""
+        """Experts only the CPU computes, in a format it has a faster product for (the
+        layout's pack_cpu: 16-bit weights for the fp16-weight GEMM, INT4 for the int4 GEMM),
+        replacing the checkpoint's tensors. packed: the host store's bank, already packed
+        (ExpertStore.pack_cpu). Returns the packed bytes (0: nothing to pack)."""
         if packed is None:
-            if not isinstance(self._layout, QuantExpertLayout):
-                return 0
-            packed = pack_int4_bank(self.layout, self.bank())
+            packed = self.layout.pack_cpu(self.bank())
             if packed is None:
                 return 0
         for name in self._layout.names:
             if name not in ("b13", "b2"):
                 delattr(self, self.attr(name))
         self.packed = packed
-        return sum(w.nbytes for w in packed.values())
+        return sum(w.nbytes for name, w in packed.items() if name in ("w13", "w2"))
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor, kind: str = "weight") -> str:
         """Copy one checkpoint tensor (`kind` weight or bias) of one expert in; returns the
