@@ -98,6 +98,22 @@ def test_rms_norm(t, d, with_residual, dtype):
         assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norm_reference_is_hf_norm_bit_for_bit(dtype):
+    # The reference is torch's fused rms_norm; HF's Qwen/Mixtral norm spelled out is the
+    # oracle (float32 statistics, rounded to x's dtype, then the weight; a float32 weight
+    # promotes), at decode rows, prefill rows and per-head rows.
+    g = torch.Generator().manual_seed(5)
+    for shape, wdtype in [((1, 1024), dtype), ((300, 1024), dtype), ((16, 64), dtype),
+                          ((5, 96), torch.float32)]:
+        x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+        w = torch.randn(shape[-1], generator=g).to(wdtype)
+        h = x.float()
+        want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        got = rms_norm_reference(x, w, 1e-6)
+        assert got.dtype == want.dtype and torch.equal(got, want), (shape, wdtype)
+
+
 def test_rms_norm_float32_weight_promotes_and_strided_rows():
     x = torch.randn(7, 2, 96, dtype=torch.float16)[:, 1]           # row stride 192
     weight = torch.randn(96)

@@ -340,15 +340,20 @@ def test_quant_linear_packs_its_decoded_weight_for_the_cpu():
 @pytest.mark.parametrize("quant", ["fp8", "fp8-tensor", "nvfp4"])
 def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     # The runner packs every quantized projection of a bf16 CPU model (attention and the
-    # dense MLP here); the logits stay as near the float32 engine's (the reference's exact
-    # decode) as bf16 allows.
+    # dense MLP here; q, k and v decoded into one product a layer); the logits stay as near
+    # the float32 engine's (the reference's exact decode) as bf16 allows.
     import triton_kernels as tk
+    from freetoken.models.layers.attention import Attention
     from freetoken.models.layers.linear import QuantLinear
     path = str(tiny(tmp_path / "q", "qwen3_moe", quant))
     want = LLM(path, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
     llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
-    qlin = [m for m in llm.runner.model.modules() if isinstance(m, QuantLinear)]
-    assert len(qlin) >= 7 and all(isinstance(m.packed, tk.Fp16Weight) for m in qlin)
+    modules = list(llm.runner.model.modules())
+    attns = [m for m in modules if isinstance(m, Attention)]
+    assert attns and all(isinstance(a.qkv_packed, tk.Fp16Weight) for a in attns)
+    fused = {id(getattr(a, n)) for a in attns for n in a.cpu_fused}
+    qlin = [m for m in modules if isinstance(m, QuantLinear) and id(m) not in fused]
+    assert len(qlin) >= 4 and all(isinstance(m.packed, tk.Fp16Weight) for m in qlin)
     got = llm.logits(PROMPT)
     err = rel_err(got.float(), want)
     assert err < 0.05, f"{quant}: relative logit error {err:.2e} against float32"

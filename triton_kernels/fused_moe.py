@@ -159,14 +159,17 @@ def _moe_one_token_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, 
 
 
 def moe_one_token(x, up, down, topk_weights, topk_ids, slot_map, b13, b2,
-                  activation: MoeActivation) -> torch.Tensor:
+                  activation: MoeActivation, float32: bool = False) -> torch.Tensor:
     """Batch-1 decode for experts whose products are not HF's bf16 matmuls (the CPU's packed
-    INT4 GEMM, the quantized formats' decode), so not held to the loop's bits: up(x, slot)
+    GEMMs, the quantized formats' decode), so not held to the loop's bits: up(x, slot)
     [1, D] -> [1, 2I] and down(a, slot) [1, I] -> [1, D] per expert, the rest once for the
     k experts (one activation over [k, I]; the weighted sum as one [1, k] @ [k, D] float32
-    product). ~1/4 less time for a packed INT4 layer than an expert at a time."""
+    product). ~1/4 less time for a packed INT4 layer than an expert at a time. float32: up
+    and down take and give float32 (Fp16Bank), so x is widened once and nothing between the
+    products is rounded."""
     order, slots = _token_slots(topk_ids, slot_map)
-    gate_up = torch.cat([up(x, s) for s in slots])                           # [k, 2I]
+    h = x.float() if float32 else x
+    gate_up = torch.cat([up(h, s) for s in slots])                           # [k, 2I]
     if b13 is not None:
         gate_up = gate_up + b13[slots]
     act = _activate(*gate_up.chunk(2, dim=-1), activation)                   # [k, I]
@@ -180,15 +183,16 @@ def moe_one_token(x, up, down, topk_weights, topk_ids, slot_map, b13, b2,
 def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
                      activation: MoeActivation) -> torch.Tensor:
     """The CPU experts from two banks packed for a CPU GEMM (int4_cpu.Int4Packed,
-    cpu_matmul.Fp16Bank: `.linear(x, slot)`), w13 [S, 2I, D] and w2 [S, D, I]: each used
-    expert's tokens through its two products, the experts' outputs weighted and summed in
-    float32 (batch 1: moe_one_token; more tokens: one index_add_)."""
-    out = torch.zeros_like(x)
+    cpu_matmul.Fp16Bank: `.linear(x, slot)`, in float32 where the bank says `float32`),
+    w13 [S, 2I, D] and w2 [S, D, I]: each used expert's tokens through its two products, the
+    experts' outputs weighted and summed in float32 (batch 1: moe_one_token; more tokens:
+    one index_add_)."""
+    f32 = getattr(w13, "float32", False)
     if not topk_ids.numel():
-        return out
+        return torch.zeros_like(x)
     if x.shape[0] == 1:
         return moe_one_token(x, w13.linear, w2.linear, topk_weights, topk_ids, slot_map,
-                             b13, b2, activation)
+                             b13, b2, activation, float32=f32)
     # The (token, k) pairs sorted by expert, gathered once: each used expert's rows are one
     # contiguous slice (no where/index/index_add per expert), summed back in one index_add_.
     flat = topk_ids.reshape(-1)
@@ -196,11 +200,12 @@ def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
     experts, counts = torch.unique(flat, return_counts=True)
     slots = (experts if slot_map is None else slot_map[experts]).tolist()
     token = order // topk_ids.shape[1]
-    rows = x.index_select(0, token).split(counts.tolist())
+    rows = (x.float() if f32 else x).index_select(0, token).split(counts.tolist())
     h = torch.cat([_packed_expert(r, w13, w2, slot, b13, b2, activation)
                    for r, slot in zip(rows, slots)])
     weights = topk_weights.reshape(-1)[order, None].float()
-    return out.float().index_add_(0, token, h.float() * weights).to(x.dtype)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token, h.float() * weights).to(x.dtype)
 
 
 def _check_packed(x, w13, w2) -> None:

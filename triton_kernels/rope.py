@@ -16,11 +16,12 @@ from triton_kernels._dispatch import tl, triton, use_triton
 def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                          cos_sin: torch.Tensor, interleaved: bool = False):
     half = cos_sin.shape[-1] // 2
-    cs = cos_sin[positions]                              # [T, R]
-    cos, sin = cs[:, None, :half], cs[:, None, half:]    # [T, 1, R/2]
+    cs = cos_sin[positions][:, None]                     # [T, 1, R]
+    cq = cs.to(q.dtype)                                  # converted once for q and k
     for x in (q, k):
+        cx = cq if x.dtype == q.dtype else cs.to(x.dtype)
+        c, s = cx[..., :half], cx[..., half:]            # [T, 1, R/2]
         rot = x[..., : 2 * half]
-        c, s = cos.to(x.dtype), sin.to(x.dtype)
         if interleaved:
             pairs = rot.unflatten(-1, (half, 2))         # [T, H, R/2, 2]
             x1, x2 = pairs[..., 0], pairs[..., 1]

@@ -17,7 +17,7 @@ from torch import nn
 import triton_kernels as tk
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.cache_spec import AttentionSpec
-from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.linear import Linear, pack_fused
 from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.rope import RopeTable
 
@@ -47,6 +47,9 @@ class AttentionConfig:
 
 
 class Attention(nn.Module):
+    # On a CPU engine q, k and v run as one packed product (pack_cpu; linear.pack_for_cpu).
+    cpu_fused = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: AttentionConfig, layer_idx: int, rope: RopeTable):
         super().__init__()
         self.cfg, self.layer_idx, self.rope = cfg, layer_idx, rope
@@ -67,6 +70,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.num_heads * hd, cfg.rms_norm_eps, off)
             self.k_norm = RMSNorm(self.num_kv_heads * hd, cfg.rms_norm_eps, off)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.sinks else None
+        self.qkv_packed: tk.Fp16Weight | None = None
+        self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
+
+    def pack_cpu(self) -> int:
+        """CPU engine: q, k and v packed as one fp16-weight product [(Hq' + 2Hk)*Dh, D] (one
+        GEMV and one pair of dtype copies a layer instead of three). Returns its bytes (0:
+        they are packed alone, or not at all)."""
+        self.qkv_packed = pack_fused([self.q_proj, self.k_proj, self.v_proj])
+        return 0 if self.qkv_packed is None else self.qkv_packed.nbytes
 
     def cache_spec(self) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, self.head_dim,
@@ -74,7 +86,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)      # [T, H*Dh]
+        if self.qkv_packed is not None:                               # [T, H*Dh] views
+            q, k, v = self.qkv_packed(x).split(self.qkv_widths, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*Dh]
         gate = None
         if self.cfg.output_gate:        # [T, H, 2*Dh] -> q [T, H*Dh], gate [T, H*Dh]
             q, gate = q.view(t, self.num_heads, 2 * hd).chunk(2, dim=-1)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import triton_kernels as tk
+from freetoken.models.layers.router import Router
 from freetoken.moe.quant_layout import weight_tensors
 from triton_kernels.dequant import QuantFormat
 
@@ -31,13 +32,17 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed: tk.Fp16Weight | None = None
 
+    def cpu_dense(self) -> torch.Tensor | None:
+        """The weight the fp16-weight GEMM would take (None: it cannot)."""
+        return self.weight if tk.packable(self.weight) else None
+
     def pack_cpu(self) -> int:
         """Keep a copy of the 16-bit weight packed for the CPU's fp16-weight GEMM (the weight
         stays: tied embeddings and MLA's folded kv_b_proj read it). Returns the copy's
         bytes."""
-        if not tk.packable(self.weight):
+        if (dense := self.cpu_dense()) is None:
             return 0
-        self.packed = tk.Fp16Weight(self.weight, self.bias)
+        self.packed = tk.Fp16Weight(dense, self.bias)
         return self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,14 +52,36 @@ class Linear(nn.Linear):
 
 
 def pack_for_cpu(model: nn.Module) -> int:
-    """A model that runs on the CPU in 16 bits: every Linear gains an fp16-packed copy of its
-    weight (triton_kernels/cpu_matmul.py: 1.6-2.7x torch's bf16 product at 1 row, 1.4-5x
-    from 2 rows), every QuantLinear one the CPU multiplies fast (pack_cpu).
-    Projections a module names in its `matrix_only` (read as matrices, never called: MLA's
-    kv_b_proj) are left as they are. Returns the bytes added."""
+    """A model that runs on the CPU in 16 bits: every Linear and MoE router gains an
+    fp16-packed copy of its weight (triton_kernels/cpu_matmul.py: 1.6-2.7x torch's bf16
+    product at 1 row, 1.4-5x from 2 rows), every QuantLinear one the CPU multiplies fast
+    (pack_cpu).
+    - A module that runs several projections of one input as one product (Attention: q, k
+      and v) names them in `cpu_fused` and packs them together in its own pack_cpu (see
+      pack_fused); where it does, they are not packed alone.
+    - Projections a module names in its `matrix_only` (read as matrices, never called: MLA's
+      kv_b_proj) are left as they are.
+    Returns the bytes added."""
     skip = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "matrix_only", ())}
-    return sum(m.pack_cpu() for m in model.modules()
-               if isinstance(m, (Linear, QuantLinear)) and id(m) not in skip)
+    added = 0
+    for m in model.modules():
+        if getattr(m, "cpu_fused", ()) and (n := m.pack_cpu()):
+            added += n
+            skip |= {id(getattr(m, name)) for name in m.cpu_fused}
+    return added + sum(m.pack_cpu() for m in model.modules()
+                       if isinstance(m, (Linear, QuantLinear, Router)) and id(m) not in skip)
+
+
+def pack_fused(projs) -> tk.Fp16Weight | None:
+    """Projections of one input ([N_i, K] each) as one packed product [sum N_i, K] (one GEMV
+    and one pair of dtype copies instead of one each; the outputs are its column slices), or
+    None where one of them has no 16-bit form or the biases differ in kind."""
+    dense = [p.cpu_dense() for p in projs]
+    biases = [p.bias for p in projs]
+    if any(d is None for d in dense) or len({b is None for b in biases}) != 1:
+        return None
+    bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
+    return tk.Fp16Weight(torch.cat([d.float() for d in dense]), bias)
 
 
 class QuantLinear(nn.Module):
@@ -88,13 +115,20 @@ class QuantLinear(nn.Module):
         if tk.packable_int4(self.fmt, w, self.dtype):
             self.packed = tk.Int4Packed(self.fmt, w)
             return self.packed.nbytes
-        if self.dtype == torch.float32:
-            return 0            # a float32 model keeps the reference's exact decode
-        dense = tk.dequantize_reference(self.fmt, w, torch.float32)
-        if not tk.packable(dense, decoded=True):
+        if (dense := self.cpu_dense()) is None:
             return 0
         self.packed = tk.Fp16Weight(dense, self.bias)
         return self.packed.nbytes
+
+    def cpu_dense(self) -> torch.Tensor | None:
+        """The decoded weight in float32 the fp16-weight GEMM would take, None where it
+        takes none: INT4 for the int4 GEMM, a float32 model (it keeps the reference's exact
+        decode), a weight beyond float16's range."""
+        w = self.weight_dict()
+        if self.dtype == torch.float32 or tk.packable_int4(self.fmt, w, self.dtype):
+            return None
+        dense = tk.dequantize_reference(self.fmt, w, torch.float32)
+        return dense if tk.packable(dense, decoded=True) else None
 
     def weight_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
