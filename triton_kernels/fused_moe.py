@@ -99,8 +99,11 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                activation, wide=True)
     # torch's CPU grouped_mm runs one mm (and one .item()) per group, empty ones too: over
     # the used slots' range it pays only where most of that range is used.
+    # float32 gpt-oss activations stay per expert: torch's float32 sigmoid gives other last
+    # bits on a [P, I] tensor than on the loop's [n, I] slices (16-bit outputs round them away).
     run = _moe_loop_torch
-    if aligned and 2 * used.numel() >= int(used[-1] - used[0]) + 1:
+    exact_per_expert = activation.kind == "swiglu_oai" and x.dtype == torch.float32
+    if aligned and not exact_per_expert and 2 * used.numel() >= int(used[-1] - used[0]) + 1:
         run = _moe_grouped_torch
     return run(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
 
