@@ -68,8 +68,17 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
+def engine_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread every forward runs on: CUDA's current device and streams are per thread,
+    and so are torch's CPU thread teams (OpenMP). Load the model on it too: while a second
+    live thread holds a team (the loader), each parallel CPU op of the engine's pays to form
+    its own (a CPU engine's 512-token prefill ran 25% slower, batch-8 decode 45%)."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-engine")
+
+
 class AsyncEngine:
-    def __init__(self, core: EngineCore, step_delay_s: float = 0.0):
+    def __init__(self, core: EngineCore, step_delay_s: float = 0.0,
+                 thread: concurrent.futures.ThreadPoolExecutor | None = None):
         self.core = core
         self.step_delay_s = step_delay_s
         self.streams: dict[str, RequestStream] = {}
@@ -78,9 +87,9 @@ class AsyncEngine:
         self._stopping = False
         self.metrics = EngineMetrics(core)
         self.recent: collections.deque = collections.deque(maxlen=32)  # finished, for /v1/stats
-        # One thread runs every forward: CUDA's current device and streams are per thread.
-        self._engine_thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="ft-engine", initializer=self._init_engine_thread)
+        # One thread runs every forward (engine_thread; the loader's, where it loaded).
+        self._engine_thread = thread or engine_thread()
+        self._engine_thread.submit(self._init_engine_thread)
         self._in_step = False
         self._deferred_aborts: list[tuple[str, RequestStream]] = []
 

@@ -16,7 +16,7 @@ import time
 
 import freetoken
 from freetoken.engine.config import EngineConfig
-from freetoken.scheduler.async_engine import AsyncEngine, RequestStream
+from freetoken.scheduler.async_engine import AsyncEngine, RequestStream, engine_thread
 from freetoken.scheduler.config import SchedulerConfig
 from freetoken.scheduler.core import EngineCore, RequestError
 from freetoken.server.anthropic.messages import count_tokens, messages
@@ -59,15 +59,17 @@ class ServingApp:
     async def load(self) -> bool:
         """Load the model off the event loop, then start the engine loop on it. False when
         loading failed: /health then says why, and the caller exits non-zero."""
+        thread = engine_thread()        # the engine's own: see engine_thread
         try:
-            core = await asyncio.get_running_loop().run_in_executor(None, self._load_blocking)
+            core = await asyncio.get_running_loop().run_in_executor(thread, self._load_blocking)
         except Exception as e:  # noqa: BLE001 - reported on /health and in one paragraph
+            thread.shutdown(wait=False)
             self.status, self.error = "error", f"{type(e).__name__}: {e}"
             log.error("%s", load_failure_paragraph(self.engine_config.model, e))
             if not isinstance(e, EXPECTED_LOAD_ERRORS):
                 log.error("the traceback of that unexpected error:", exc_info=e)
             return False
-        self.engine = AsyncEngine(core, step_delay_s=env.debug_step_delay_s())
+        self.engine = AsyncEngine(core, step_delay_s=env.debug_step_delay_s(), thread=thread)
         self.engine.start()
         self.status, self.phase = "ok", "ready"
         log.info("ready: serving %s (context %d tokens)", self.server_config.served_model_name,
