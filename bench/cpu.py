@@ -273,6 +273,8 @@ def main(argv=None) -> int:
 
     report = {"conditions": {**vars(args), "shape": shape, "decode_tokens": tokens}}
     quants = [q for q in args.quant.split(",") if q]
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)   # a new folder: made, not a traceback
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         model_dir = Path(tmp) / "model"
         make_tiny_model(model_dir, family="qwen3_moe", seed=0, dtype=args.dtype, **shape)
