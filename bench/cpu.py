@@ -49,6 +49,9 @@ SHAPES = {
 BATCHES = (1, 8, 16)
 PROMPT = 64
 PREFILL = 512
+# Each --quant format's nearest llama.cpp type, for the paired ratio rows.
+NEAREST_GGUF = {"fp8": "q8_0", "fp8-channel": "q8_0", "int4": "q4_0", "int4-awq": "q4_0",
+                "nvfp4": "q4_0"}
 
 
 def dram_read_gbps(threads: int, gib: float) -> float:
@@ -245,6 +248,15 @@ def _fmt(values) -> str:
     return f"{med:.3g}" if len(values) == 1 else f"{med:.3g} [{min(values):.3g}-{max(values):.3g}]"
 
 
+def _ratio(mine: list | None, other: list | None) -> str:
+    """mine / other: per round with its spread when both ran the same rounds, else medians."""
+    if not mine or not other:
+        return "-"
+    if len(mine) == len(other):
+        return _fmt([a / b for a, b in zip(mine, other)])
+    return _fmt([statistics.median(mine) / statistics.median(other)])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small shape, fewer tokens")
@@ -344,18 +356,16 @@ def main(argv=None) -> int:
     for name in actives:
         if name != "freetoken":
             print(f"{name}: {actives[name] / 1e9:.3f} GB active per token")
-    ft = res["freetoken"]
-    for other in [n for n in res if n != "freetoken"]:
-        ratios = []
-        for f in figures:
-            o = res[other].get(f)
-            if not o:
-                ratios.append("-")
-            elif len(o) == len(ft[f]):    # same rounds: the per-round ratio and its spread
-                ratios.append(_fmt([a / b for a, b in zip(ft[f], o)]))
-            else:
-                ratios.append(_fmt([statistics.median(ft[f]) / statistics.median(o)]))
-        print(f"ft/{other}".ljust(width) + "".join(r.ljust(24) for r in ratios))
+    # The bf16 engine against every arm, then each quantized arm against llama.cpp's nearest
+    # type (FP8 against q8_0, 4-bit against q4_0: #21's pairs).
+    pairs = [("freetoken", other) for other in res if other != "freetoken"]
+    pairs += [(f"freetoken-{q}", f"llama.cpp-{NEAREST_GGUF[q]}") for q in quants
+              if q in NEAREST_GGUF and f"freetoken-{q}" in res and f"llama.cpp-{NEAREST_GGUF[q]}" in res]
+    labels = [f"ft/{other}" if mine == "freetoken" else f"{mine}/{other}" for mine, other in pairs]
+    width = max([width] + [len(label) + 2 for label in labels])
+    for (mine, other), label in zip(pairs, labels):
+        print(label.ljust(width) + "".join(_ratio(res[mine].get(f), res[other].get(f)).ljust(24)
+                                           for f in figures))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     return 0
