@@ -4,6 +4,8 @@ rows) and the MoE reference's prefill form against its 16-bit loop; fp16-packed 
 engine's projections and experts), against the float64 / float32 products and the float32
 model."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,6 +80,26 @@ def test_packed_weight_is_the_float32_product_rounded_once(dtype):
         ulp = torch.finfo(dtype).eps * want.abs()
         assert (err <= ulp + 1e-30).all()
     assert tk.Fp16Weight(w).bias.abs().max() == 0
+
+
+def test_large_packed_weight_runs_threaded_with_the_same_bits():
+    # From THREADED_ELEMENTS a weight takes the threaded entry point to FBGEMM's fp16 GEMM:
+    # the same kernel as the one-thread call a small weight takes, so the same bits.
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(1024, 1024, generator=g) * 0.02).to(torch.bfloat16)
+    b = torch.randn(1024, generator=g)
+    big, small = tk.Fp16Weight(w, b), tk.Fp16Weight(w[:64], b[:64])
+    assert big.threaded and not small.threaded
+    assert w.numel() >= tk.cpu_matmul.THREADED_ELEMENTS > small.out_features * 1024
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one_thread = torch.fbgemm_pack_gemm_matrix_fp16(w.float())
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, 1024, generator=g).bfloat16()
+            want = torch.fbgemm_linear_fp16_weight(x.float(), one_thread, b)
+            assert torch.equal(big.f32(x.float()), want)
+            assert torch.equal(big(x), want.bfloat16())
+            assert torch.equal(small.f32(x.float()), want[:, :64])
 
 
 def test_what_packs():

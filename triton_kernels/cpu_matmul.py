@@ -12,7 +12,8 @@ On the GPU and in float32 this is F.linear.
 Packed weights (Fp16Weight, Fp16Bank), for the projections and experts of a model that runs
 on the CPU: torch's fp16-weight GEMM (FBGEMM, the kernel behind dynamic fp16 quantization:
 2-byte weights widened in registers by F16C, float32 activations and sums) is the fastest
-16-bit product torch has on AVX2 at every row count. torch's bf16 product at one row is
+16-bit product torch has on AVX2 at every row count; a large weight takes its threaded entry
+point (both cores: a 2-core CPU engine's batch-1 step 24.7 -> 19.3 ms, prefill 1.36x). torch's bf16 product at one row is
 bound by its bf16 widening, not by DRAM: on the 2-core EPYC, weights cold in DRAM, one row
 read 6-11 GB/s of bf16 ([1024, 256] to [1024, 1024]; 16 for a [32768, 1024] lm_head) where the
 packed fp16 GEMM read 16-20 (27) GB/s: 1.7-2.7x. From 2 rows (against the bf16 product and the
@@ -38,6 +39,7 @@ TILE_ELEMENTS = 1 << 20   # weights widened at a time: 4 MB of float32 that stay
                           # whole lm_head, 128 MB for 32k x 1024, was 2x slower than bf16)
 _NARROW = (torch.bfloat16, torch.float16)
 FP16_MAX = 65504.0
+THREADED_ELEMENTS = 1 << 20   # from here a packed weight takes the threaded entry point (Fp16Weight)
 
 
 def widens(x: torch.Tensor, rows: float | None = None) -> bool:
@@ -56,31 +58,52 @@ class Fp16Weight:
     """One weight [N, K] (and its bias) packed for the fp16-weight CPU GEMM; x @ W^T + b in
     x's dtype, the product and the bias add in float32, rounded once.
 
-    The entry point is torch.fbgemm_linear_fp16_weight: torch.ops.quantized.linear_dynamic_fp16
-    is the same GEMM, but its packed argument is a TorchScript object, and that op costs ~20 us
-    of Python dispatch a call against ~4 (a decode step makes hundreds of them). torch
-    marks the entry point deprecated, with a one-time warning, which the first (packing) call
-    takes in silence."""
+    Two entry points to the same FBGEMM kernel, which give the same bits:
+    - torch.fbgemm_linear_fp16_weight: one thread, ~4 us of dispatch a call. torch marks it
+      deprecated, with a one-time warning, which the first (packing) call takes in silence.
+    - torch.ops.quantized.linear_dynamic_fp16: the same GEMM over torch's intra-op threads,
+      but its packed argument is a TorchScript object whose conversion costs ~15 us a call.
+    So a weight of THREADED_ELEMENTS and more takes the threaded op, a smaller one (a
+    router, a small expert) the one-thread call. Per product on 2 threads, weights cold
+    (ms; one-thread / threaded): [1024, 1024] 0.15/0.12 at 1 row, 1.5/0.81 at 64;
+    [4096, 1024] 0.58/0.42, 6.9/3.4; [1024, 2048] 0.31/0.16, 3.0/1.8; an expert
+    [512, 1024] 0.072/0.066 at 1 row, [1024, 256] 0.040/0.047 (a batch-1 MoE layer over the
+    threaded op was ~10% slower; the prefill split is the experts' way to both cores,
+    see CpuSplit). One packing is held, never both (the RAM of the weight)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.nbytes = weight.numel() * 2
+        self.threaded = weight.numel() >= THREADED_ELEMENTS and _has_threaded_fp16()
         self.bias = (torch.zeros(self.out_features) if bias is None else bias.float()).contiguous()
+        if self.threaded:
+            ops = torch.ops.quantized
+            self.packed = ops.linear_prepack_fp16(weight.float().contiguous(), self.bias)
+            self._threaded_linear = ops.linear_dynamic_fp16.default
+            return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.packed = torch.fbgemm_pack_gemm_matrix_fp16(weight.float().contiguous())
             self(torch.zeros(1, self.in_features, dtype=weight.dtype))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        y = torch.fbgemm_linear_fp16_weight(rows, self.packed, self.bias)
+        y = self.f32(x.reshape(-1, self.in_features).float())
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def f32(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] float32 -> [T, N] float32, nothing converted: for callers that chain
         products in float32 (the CPU experts: a decode step's ~400 dtype copies, ~1/5 of it)."""
+        if self.threaded:
+            return self._threaded_linear(rows, self.packed)
         return torch.fbgemm_linear_fp16_weight(rows, self.packed, self.bias)
+
+
+def _has_threaded_fp16() -> bool:
+    try:
+        return hasattr(torch.ops.quantized, "linear_prepack_fp16")
+    except (AttributeError, RuntimeError):     # a build without the quantized ops
+        return False
 
 
 class Fp16Bank:
