@@ -230,6 +230,8 @@ def test_experts_only_the_cpu_computes_are_packed(bf16_moe_model, monkeypatch):
         for i, b in blocks.items():
             bank = b.experts.bank()
             assert isinstance(bank["w13"], tk.Fp16Bank) == (i in cpu_layers), f"{name} {i}"
+            if i in cpu_layers:         # the CPU engine's second core for prefill chunks
+                assert bank["w13"].split is llm.runner.cpu_split is not None
             if store is not None:
                 assert (store.bank(i) is bank) == (i in cpu_layers)
         if name == "hybrid":

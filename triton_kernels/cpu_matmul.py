@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
+from triton_kernels.cpu_split import CpuSplit
+
 WIDE_ROWS = 12
 TILE_ELEMENTS = 1 << 20   # weights widened at a time: 4 MB of float32 that stays in cache (a
                           # whole lm_head, 128 MB for 32k x 1024, was 2x slower than bf16)
@@ -110,12 +112,15 @@ class Fp16Bank:
     """A bank of 16-bit experts [E, N, K], each packed for the fp16-weight GEMM (Fp16Weight),
     for experts only the CPU computes: the same 2 bytes a weight as the bank it replaces.
     One MoE layer (64 experts, top-8, D 1024, I 256, fresh routing per call) against
-    fused_moe's bf16 CPU forms: 2.0x at 1 token, 1.7x at 8 and 16, 1.44x at 64."""
+    fused_moe's bf16 CPU forms: 2.0x at 1 token, 1.7x at 8 and 16, 1.44x at 64.
+    split: the CPU engine's CpuSplit (cpu_split.py), which runs half of a prefill chunk's
+    experts on the second core (None: one thread computes them)."""
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, split: CpuSplit | None = None):
         self.experts, self.n, self.k = w.shape
         self.dtype = w.dtype
         self.nbytes = w.numel() * 2
+        self.split = split
         # FBGEMM's packer is one thread a matrix (~4 ns a weight with the float32 copy it
         # takes; a model's experts at load): experts packed on torch's thread count at once.
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
+from triton_kernels.cpu_split import SPLIT_ROWS
 from triton_kernels.moe_align import moe_align
 
 
@@ -189,7 +190,9 @@ def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
     cpu_matmul.Fp16Bank: `.linear(x, slot)`, in float32 where the bank says `float32`),
     w13 [S, 2I, D] and w2 [S, D, I]: each used expert's tokens through its two products, the
     experts' outputs weighted and summed in float32 (batch 1: moe_one_token; more tokens:
-    one index_add_)."""
+    one index_add_). A bank with a `split` (cpu_split.CpuSplit) runs the experts of a call of
+    SPLIT_ROWS pairs and more in two halves on two cores, the outputs in the same order, so
+    the same bits."""
     f32 = getattr(w13, "float32", False)
     if not topk_ids.numel():
         return torch.zeros_like(x)
@@ -203,9 +206,18 @@ def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
     experts, counts = torch.unique(flat, return_counts=True)
     slots = (experts if slot_map is None else slot_map[experts]).tolist()
     token = order // topk_ids.shape[1]
-    rows = (x.float() if f32 else x).index_select(0, token).split(counts.tolist())
-    h = torch.cat([_packed_expert(r, w13, w2, slot, b13, b2, activation)
-                   for r, slot in zip(rows, slots)])
+    counts = counts.tolist()
+    rows = (x.float() if f32 else x).index_select(0, token).split(counts)
+
+    def experts(part):                  # [(rows, slot)] -> their outputs, in order
+        return [_packed_expert(r, w13, w2, slot, b13, b2, activation) for r, slot in part]
+
+    pairs = list(zip(rows, slots))
+    split = getattr(w13, "split", None)     # a prefill chunk's experts over two cores
+    if split is not None and flat.numel() >= SPLIT_ROWS:
+        h = torch.cat(split.map(experts, pairs, counts))
+    else:
+        h = torch.cat(experts(pairs))
     weights = topk_weights.reshape(-1)[order, None].float()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     return out.index_add_(0, token, h.float() * weights).to(x.dtype)

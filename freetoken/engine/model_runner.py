@@ -29,6 +29,7 @@ from freetoken.models.quant.apply import describe_parts
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
 from freetoken.moe.runtime import MoeRuntime
 from freetoken.moe.store import ExpertStore
+from freetoken.utils.heap import keep_freed_heap
 from freetoken.utils.memory import host_available_bytes
 
 log = logging.getLogger("freetoken.engine")
@@ -54,6 +55,7 @@ class SeqChunk:
 class ModelRunner:
     def __init__(self, config: EngineConfig, progress=None):
         self.config = config
+        keep_freed_heap()   # host tensors of a CPU forward reuse pages, not fault new ones
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
@@ -74,13 +76,16 @@ class ModelRunner:
         model = materialize(model, self.device, host_banks)
         load_weights(model, checkpoint_files(self.model_dir), progress)
         self.model = model.eval().requires_grad_(False)
+        # A CPU engine's second core for what torch runs on one (a prefill chunk's experts:
+        # triton_kernels/cpu_split.py), handed to the expert banks it packs.
+        self.cpu_split = triton_kernels.CpuSplit() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
             packed = pack_for_cpu(self.model)
             if packed:
                 log.info("CPU: projections packed for the CPU's 16-bit or INT4 GEMM (%.1f MiB "
                          "beside their weights)", packed / 2**20)
             if self.expert_store is None:       # resident experts: the CPU computes them all
-                packed = sum(b.experts.pack_cpu() for b in blocks.values())
+                packed = sum(b.experts.pack_cpu(split=self.cpu_split) for b in blocks.values())
                 if packed:
                     log.info("CPU: experts repacked for the CPU's fp16-weight or INT4 GEMM "
                              "(%.1f MiB)", packed / 2**20)
@@ -93,7 +98,7 @@ class ModelRunner:
             # engine's, one layer at a time (its checkpoint tensors freed before the next one
             # packs).
             for i in self.moe_plan.cpu_layers:
-                packed = self.expert_store.pack_cpu(i)
+                packed = self.expert_store.pack_cpu(i, self.cpu_split)
                 if packed is not None:
                     blocks[i].experts.pack_cpu(packed)
             if asked != "hybrid" and self.moe.plan.backend == "hybrid":

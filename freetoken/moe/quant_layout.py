@@ -106,12 +106,12 @@ class QuantExpertLayout(ExpertLayout):
         return all(isinstance(w, dict) and tk.packable_int4(self.fmt, w, self.dtype)
                    for w in (self.weights(bank, which) for which in ("w13", "w2")))
 
-    def pack_cpu(self, bank: dict) -> dict | None:
+    def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None) -> dict | None:
         """A bank only the CPU computes, {"w13.q": [E, ..], ..}, with w13 and w2 repacked for
         torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the checkpoint's bytes,
         1.8x torch's bf16 product at 1 row and 3-12x the tile decode): {"w13": Int4Packed,
         "w2": .., biases}. None where it does not apply (not int4, not bf16, shapes the
-        kernel refuses)."""
+        kernel refuses). split: unused (torch's int4 GEMM runs on its own threads)."""
         if not self.packs_cpu(bank):
             return None
         packed = {which: tk.Int4Packed(self.fmt, self.weights(bank, which))

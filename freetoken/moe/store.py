@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+import triton_kernels as tk
 from freetoken.moe.layout import ExpertLayout
 from freetoken.moe.plan import GiB, MoePlanError
 from freetoken.utils.memory import host_available_bytes
@@ -100,15 +101,16 @@ class ExpertStore:
         self.cpu_banks[layer] = packed
         return _packed_bytes(packed)
 
-    def pack_cpu(self, layer: int) -> dict | None:
+    def pack_cpu(self, layer: int, split: tk.CpuSplit | None = None) -> dict | None:
         """A layer whose experts only the CPU computes (never fetched, so never pinned): its
         bank repacked in place for a faster CPU product where the format has one (the
         layout's pack_cpu). Returns the packed bank (the caller hands it to the model's
         ExpertBank at once, so the checkpoint's tensors go before the next layer packs), or
-        None: a pinned layer or a format without one stays as it is."""
+        None: a pinned layer or a format without one stays as it is. split: the CPU
+        engine's CpuSplit (the packed bank's prefill chunks on two cores)."""
         if self.pinned[layer]:
             return None
-        packed = self.layout.pack_cpu(self.banks[layer])
+        packed = self.layout.pack_cpu(self.banks[layer], split)
         if packed is not None:
             self.banks[layer] = packed
         return packed

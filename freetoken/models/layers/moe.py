@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import triton_kernels as tk
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.router import Router
 from freetoken.moe.layout import ExpertLayout
@@ -64,13 +65,14 @@ class ExpertBank(nn.Module):
             return self.packed
         return {name: getattr(self, self.attr(name)) for name in self._layout.names}
 
-    def pack_cpu(self, packed: dict | None = None) -> int:
+    def pack_cpu(self, packed: dict | None = None, split: tk.CpuSplit | None = None) -> int:
         """Experts only the CPU computes, in a format it has a faster product for (the
         layout's pack_cpu: 16-bit weights for the fp16-weight GEMM, INT4 for the int4 GEMM),
         replacing the checkpoint's tensors. packed: the host store's bank, already packed
-        (ExpertStore.pack_cpu). Returns the packed bytes (0: nothing to pack)."""
+        (ExpertStore.pack_cpu). split: the CPU engine's CpuSplit. Returns the packed bytes
+        (0: nothing to pack)."""
         if packed is None:
-            packed = self.layout.pack_cpu(self.bank())
+            packed = self.layout.pack_cpu(self.bank(), split)
             if packed is None:
                 return 0
         for name in self._layout.names:

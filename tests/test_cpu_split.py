@@ -1,0 +1,119 @@
+"""The CPU engine's second core (triton_kernels/cpu_split.py): a call's work halved by rows,
+one half on a helper thread whose OpenMP team is one thread, the results in order, the
+caller's thread count back; the experts of a prefill chunk through it give the same bits."""
+
+import threading
+
+import pytest
+import torch
+
+import triton_kernels as tk
+from triton_kernels.cpu_split import SPLIT_ROWS, _halfway
+from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
+
+
+@pytest.fixture
+def two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_halfway_cuts_by_weight():
+    assert _halfway([1, 1, 1, 1]) == 2
+    assert _halfway([10, 1, 1, 1]) == 1
+    assert _halfway([1, 1, 1, 10]) == 3
+    assert _halfway([5]) in (0, 1) and _halfway([]) == 0
+
+
+def test_map_runs_half_on_the_helper_in_order(two_threads):
+    split = tk.CpuSplit()
+    try:
+        assert torch.get_num_threads() == 2                 # the helper's setup set it back
+        seen = []
+
+        def work(part):
+            seen.append((threading.current_thread().name, torch.get_num_threads(), list(part)))
+            return [v * 10 for v in part]
+
+        assert split.map(work, list(range(6)), [1, 1, 1, 1, 1, 5]) == [0, 10, 20, 30, 40, 50]
+        assert torch.get_num_threads() == 2
+        by_thread = {name.startswith("ft-cpu-split"): (n, part) for name, n, part in seen}
+        assert by_thread == {False: (1, [0, 1, 2, 3, 4]), True: (1, [5])}
+        # One item, or a caller on one thread: no split.
+        seen.clear()
+        assert split.map(work, [7], [3]) == [70] and len(seen) == 1
+        torch.set_num_threads(1)
+        seen.clear()
+        assert split.map(work, [1, 2], [1, 1]) == [10, 20]
+        assert [name for name, _, _ in seen] == [threading.current_thread().name]
+        # An error in either half reaches the caller, its thread count restored.
+        torch.set_num_threads(2)
+
+        def fails(part):
+            if 9 in part:
+                raise ValueError("bad half")
+            return part
+        with pytest.raises(ValueError, match="bad half"):
+            split.map(fails, [1, 9], [1, 1])
+        assert torch.get_num_threads() == 2
+    finally:
+        split.close()
+
+
+@pytest.mark.parametrize("act", [SILU, SWIGLU_OAI], ids=lambda a: a.kind)
+@pytest.mark.parametrize("t", [1, SPLIT_ROWS // 2 - 1, 40])
+def test_split_experts_give_the_same_bits(two_threads, act, t):
+    # Packed banks with and without a split, slots mapped and biased: equal outputs, and
+    # the split taken from SPLIT_ROWS (token, expert) pairs.
+    g = torch.Generator().manual_seed(5)
+    d, i, e, k, pool = 64, 32, 6, 2, 9
+    w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
+    w2 = (torch.randn(pool, d, i, generator=g) * i ** -0.5).bfloat16()
+    b13, b2 = torch.randn(pool, 2 * i, generator=g).bfloat16(), torch.randn(pool, d, generator=g).bfloat16()
+    x = torch.randn(t, d, generator=g).bfloat16()
+    weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k, dim=-1)
+    slot_map = torch.randperm(pool, generator=g)[:e]
+    split = tk.CpuSplit()
+    calls = []
+    real_map = split.map
+    split.map = lambda *a: calls.append(1) or real_map(*a)
+    try:
+        kw = dict(b13=b13, b2=b2, activation=act)
+        one = fused_moe_reference(x, tk.Fp16Bank(w13), tk.Fp16Bank(w2), weights, ids, slot_map, **kw)
+        two = fused_moe_reference(x, tk.Fp16Bank(w13, split), tk.Fp16Bank(w2, split), weights,
+                                  ids, slot_map, **kw)
+        assert torch.equal(one, two)
+        assert bool(calls) == (t * k >= SPLIT_ROWS)
+    finally:
+        split.close()
+
+
+def test_freed_host_memory_keeps_its_pages():
+    # After keep_freed_heap (what every engine sets when it starts), blocks of a CPU
+    # forward's sizes (24 MB, 24 MB, 4 MB: torch's CPU allocator is glibc's malloc) freed and
+    # allocated again reuse the heap's pages. Without it glibc maps and trims them each time
+    # (~130k page faults over these 10 rounds).
+    import ctypes
+    import resource
+
+    from freetoken.utils.heap import keep_freed_heap
+    if not keep_freed_heap():
+        pytest.skip("no glibc mallopt here")
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    sizes = (24 << 20, 24 << 20, 4 << 20)
+
+    def one_forward():
+        blocks = [libc.malloc(n) for n in sizes]
+        for p, n in zip(blocks, sizes):
+            libc.memset(p, 1, n)
+        for p in blocks:
+            libc.free(p)
+    one_forward()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        one_forward()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000
