@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import triton_kernels as tk
-from triton_kernels.cpu_split import SPLIT_ROWS, _halfway
+from triton_kernels.cpu_split import _halfway
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
 
 
@@ -63,10 +63,10 @@ def test_map_runs_half_on_the_helper_in_order(two_threads):
 
 
 @pytest.mark.parametrize("act", [SILU, SWIGLU_OAI], ids=lambda a: a.kind)
-@pytest.mark.parametrize("t", [1, SPLIT_ROWS // 2 - 1, 40])
+@pytest.mark.parametrize("t", [1, 15, 40])
 def test_split_experts_give_the_same_bits(two_threads, act, t):
     # Packed banks with and without a split, slots mapped and biased: equal outputs, and
-    # the split taken from SPLIT_ROWS (token, expert) pairs.
+    # the split taken from its min_flops (here 32 pairs' work) on, never at batch 1.
     g = torch.Generator().manual_seed(5)
     d, i, e, k, pool = 64, 32, 6, 2, 9
     w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
@@ -75,7 +75,8 @@ def test_split_experts_give_the_same_bits(two_threads, act, t):
     x = torch.randn(t, d, generator=g).bfloat16()
     weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k, dim=-1)
     slot_map = torch.randperm(pool, generator=g)[:e]
-    split = tk.CpuSplit()
+    pair_flops = 2 * (2 * i * d + d * i)
+    split = tk.CpuSplit(min_flops=32 * pair_flops)
     calls = []
     real_map = split.map
     split.map = lambda *a: calls.append(1) or real_map(*a)
@@ -85,7 +86,7 @@ def test_split_experts_give_the_same_bits(two_threads, act, t):
         two = fused_moe_reference(x, tk.Fp16Bank(w13, split), tk.Fp16Bank(w2, split), weights,
                                   ids, slot_map, **kw)
         assert torch.equal(one, two)
-        assert bool(calls) == (t * k >= SPLIT_ROWS)
+        assert bool(calls) == (t * k >= 32)
     finally:
         split.close()
 

@@ -6,14 +6,18 @@ costs ~15 us a call, too much for a decode step's hundreds of small products (cp
 So a CPU engine splits a prefill chunk's experts in two and gives one half to a helper thread:
 torch's ops release the GIL, so the two halves run on two cores.
 
-Two things make it fast (measured on the 2-core EPYC, one MoE layer of 512 tokens, 64
-experts, top-8, D 1024, I 256: 92 -> 50 ms, the same bits):
+Two things make it pay (measured on the 2-core EPYC, one MoE layer of 512 tokens, 64
+experts, top-8, D 1024, I 256: 72-92 -> 48-50 ms, the same bits):
 - The helper's own OpenMP team is one thread (set once, in its initializer), so an op on it
   never wakes a pool of its own; the caller drops to one thread for the split (0.4 us a
   set/restore pair) so its ops do not wake the workers the helper's core is running.
-- Work is split only from SPLIT_ROWS rows: handing work to a thread and waiting for it costs
-  tens of microseconds, which a batch-1 layer (8 small products, ~0.8 ms) does not repay
-  (a split at batch 1 was 1.3x slower, at batch 8 1.25x faster over cold experts).
+- Work is split only from min_flops (SPLIT_FLOPS, ~12 ms of one core's FBGEMM): after any
+  parallel op, the caller's idle OpenMP worker spins for milliseconds (libgomp's default
+  GOMP_SPINCOUNT) on the core the helper needs, so a split loses ~10 ms of the helper's
+  time. That layer of 64 experts, split against one thread: 8 and 64 tokens the same (4.4,
+  ~15 ms), 128 the same (22 ms), 256 1.35x, 512 1.55x. A lower spin count for the whole
+  process makes small splits pay (64 tokens 1.5x) but slowed batch-1 decode (19-22 ->
+  22-29 ms a step), and libgomp reads it once, from the environment, before torch loads.
 
 The split is an object its owner (the CPU engine) makes and hands to the banks it packs; it
 holds no state but the thread.
@@ -29,7 +33,7 @@ import torch
 T = TypeVar("T")
 R = TypeVar("R")
 
-SPLIT_ROWS = 32     # rows (token, expert pairs) a call must have before it is split
+SPLIT_FLOPS = 1e9   # a call's work before it is split (see the module's docstring)
 
 
 def _one_thread_team() -> None:
@@ -41,15 +45,20 @@ def _one_thread_team() -> None:
 
 
 class CpuSplit:
-    """One helper thread that runs half of a split call (see the module's docstring)."""
+    """One helper thread that runs half of a split call (see the module's docstring).
+    min_flops: the work from which a caller splits (worth)."""
 
-    def __init__(self):
+    def __init__(self, min_flops: float = SPLIT_FLOPS):
+        self.min_flops = min_flops
         threads = torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ft-cpu-split",
                                         initializer=_one_thread_team)
         self._pool.submit(lambda: None).result()
         # torch.set_num_threads also sets the count new threads start with: set it back.
         torch.set_num_threads(threads)
+
+    def worth(self, flops: float) -> bool:
+        return flops >= self.min_flops
 
     def map(self, fn: Callable[[Sequence[T]], list[R]], items: Sequence[T],
             weights: Sequence[int]) -> list[R]:

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
-from triton_kernels.cpu_split import SPLIT_ROWS
 from triton_kernels.moe_align import moe_align
 
 
@@ -190,9 +189,9 @@ def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
     cpu_matmul.Fp16Bank: `.linear(x, slot)`, in float32 where the bank says `float32`),
     w13 [S, 2I, D] and w2 [S, D, I]: each used expert's tokens through its two products, the
     experts' outputs weighted and summed in float32 (batch 1: moe_one_token; more tokens:
-    one index_add_). A bank with a `split` (cpu_split.CpuSplit) runs the experts of a call of
-    SPLIT_ROWS pairs and more in two halves on two cores, the outputs in the same order, so
-    the same bits."""
+    one index_add_). A bank with a `split` (cpu_split.CpuSplit) runs the experts of a call worth
+    splitting (a prefill chunk) in two halves on two cores, the outputs in the same order,
+    so the same bits."""
     f32 = getattr(w13, "float32", False)
     if not topk_ids.numel():
         return torch.zeros_like(x)
@@ -214,7 +213,8 @@ def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
 
     pairs = list(zip(rows, slots))
     split = getattr(w13, "split", None)     # a prefill chunk's experts over two cores
-    if split is not None and flat.numel() >= SPLIT_ROWS:
+    flops = 2 * flat.numel() * (w13.n * w13.k + w2.n * w2.k) if split is not None else 0
+    if split is not None and split.worth(flops):
         h = torch.cat(split.map(experts, pairs, counts))
     else:
         h = torch.cat(experts(pairs))
