@@ -360,6 +360,39 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
 
 
+@pytest.mark.parametrize("quant,family", [("fp8", "qwen3_moe"), ("fp8-tensor", "qwen3_moe"),
+                                          ("nvfp4", "qwen3_moe"), ("mxfp4", "gpt_oss")])
+def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, monkeypatch,
+                                                                    quant, family):
+    # Experts only the CPU computes, in a format torch's CPU has no GEMM for, are decoded
+    # once into fp16-packed banks when host RAM holds 2 bytes a weight (resident, and the
+    # store's CPU layers); without the room they keep the tile decode. Both stay as near the
+    # float32 engine as bf16 allows, the decoded one (float16's 11 bits) no farther.
+    import freetoken.engine.model_runner as mr
+    import triton_kernels as tk
+    path = str(tiny(tmp_path / "q", family, quant))
+    want = LLM(path, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
+    errs = {}
+    for room, kw in ((64 << 30, {}), (64 << 30, dict(moe_backend="cpu")), (0, {})):
+        monkeypatch.setattr(mr, "host_available_bytes", lambda room=room: room)
+        llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", **kw)
+        banks = [b.experts.bank() for b in llm.runner.model.moe_blocks().values()]
+        assert banks and all(isinstance(b.get("w13"), tk.Fp16Bank) == bool(room)
+                             and isinstance(b.get("w2"), tk.Fp16Bank) == bool(room) for b in banks)
+        if kw:
+            store = llm.runner.expert_store
+            assert all(store.bank(i) is b for i, b in zip(store.layers, banks))
+        if room and family == "qwen3_moe":
+            assert banks[0]["w13"].split is llm.runner.cpu_split
+        got = llm.logits(PROMPT)
+        errs[(room, bool(kw))] = err = rel_err(got.float(), want)
+        # (tiny gpt_oss is this far from float32 in bf16 anyway: transformers' own bf16 0.22)
+        bound = 0.05 if family == "qwen3_moe" else 0.35
+        assert err < bound, f"{quant} {kw}: relative logit error {err:.2e} against float32"
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+    assert errs[(64 << 30, False)] <= 1.5 * errs[(0, False)] + 1e-3, errs
+
+
 def test_bf16_cpu_engine_leaves_mla_kv_b_proj_unpacked(tmp_path):
     # MLA reads kv_b_proj only as a matrix (decoded once); a packed copy would be dead bytes
     # (~2 GB over DeepSeek-V3's layers). The other projections are packed.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -117,14 +118,33 @@ class Fp16Bank:
     experts on the second core (None: one thread computes them)."""
 
     def __init__(self, w: torch.Tensor, split: CpuSplit | None = None):
-        self.experts, self.n, self.k = w.shape
-        self.dtype = w.dtype
-        self.nbytes = w.numel() * 2
+        self._pack(w.shape, w.dtype, lambda e: w[e], split)
+
+    @classmethod
+    def decoded(cls, shape: tuple[int, int, int], dtype: torch.dtype,
+                decode: Callable[[int], torch.Tensor],
+                split: CpuSplit | None = None) -> Fp16Bank | None:
+        """A bank [E, N, K] from each expert's weight decoded from a quantized format
+        (decode(e) -> [N, K] float32, one expert at a time: never the bank in float32), for
+        a bank in a format torch's CPU has no GEMM for (fp8, the 4-bit float formats); None
+        where an expert is beyond float16's range. dtype: the model's compute dtype."""
+        bank = cls.__new__(cls)
+        return bank if bank._pack(shape, dtype, decode, split, check=True) else None
+
+    def _pack(self, shape, dtype, weight, split, check: bool = False) -> bool:
+        self.experts, self.n, self.k = shape
+        self.dtype = dtype
+        self.nbytes = self.experts * self.n * self.k * 2
         self.split = split
+
+        def pack(e: int) -> Fp16Weight | None:
+            w = weight(e)
+            return Fp16Weight(w) if not check or packable(w, decoded=True) else None
         # FBGEMM's packer is one thread a matrix (~4 ns a weight with the float32 copy it
         # takes; a model's experts at load): experts packed on torch's thread count at once.
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            self.mats = list(pool.map(lambda e: Fp16Weight(w[e]), range(self.experts)))
+            self.mats = list(pool.map(pack, range(self.experts)))
+        return all(m is not None for m in self.mats)
 
     # The experts run in float32 end to end (fused_moe.moe_packed_banks): x widened once a
     # layer, the products, activation and weighted sum in float32, rounded once.

@@ -85,7 +85,9 @@ class ModelRunner:
                 log.info("CPU: projections packed for the CPU's 16-bit or INT4 GEMM (%.1f MiB "
                          "beside their weights)", packed / 2**20)
             if self.expert_store is None:       # resident experts: the CPU computes them all
-                packed = sum(b.experts.pack_cpu(split=self.cpu_split) for b in blocks.values())
+                packed = sum(b.experts.pack_cpu(split=self.cpu_split,
+                                                spare_bytes=self._spare_host_bytes())
+                             for b in blocks.values())
                 if packed:
                     log.info("CPU: experts repacked for the CPU's fp16-weight or INT4 GEMM "
                              "(%.1f MiB)", packed / 2**20)
@@ -98,7 +100,7 @@ class ModelRunner:
             # engine's, one layer at a time (its checkpoint tensors freed before the next one
             # packs).
             for i in self.moe_plan.cpu_layers:
-                packed = self.expert_store.pack_cpu(i, self.cpu_split)
+                packed = self.expert_store.pack_cpu(i, self.cpu_split, self._spare_host_bytes())
                 if packed is not None:
                     blocks[i].experts.pack_cpu(packed)
             if asked != "hybrid" and self.moe.plan.backend == "hybrid":
@@ -203,6 +205,14 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             return int(max(free - total * (1 - cfg.gpu_memory_utilization), 0))
         return int(cfg.cpu_kv_cache_gb * 2**30)
+
+    @staticmethod
+    def _spare_host_bytes() -> int:
+        """Host RAM a larger packed form of a CPU layer's experts may take now (a quantized
+        bank decoded to 16 bits: QuantExpertLayout.pack_cpu): free RAM less a quarter of it
+        and at least HYBRID_COPY_RESERVE, left to the rest of the process."""
+        free = host_available_bytes()
+        return max(0, free - max(HYBRID_COPY_RESERVE, free // 4))
 
     def _pack_hybrid_copies(self, layers: tuple[int, ...]) -> None:
         """Hybrid layers are fetched in the checkpoint's layout and computed on the CPU as

@@ -98,11 +98,13 @@ class ExpertLayout:
         CPU inside float16's range, on a torch with the fp16-weight GEMM."""
         return all(isinstance(bank[w], torch.Tensor) and tk.packable(bank[w]) for w in ("w13", "w2"))
 
-    def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None) -> dict | None:
+    def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None,
+                 spare_bytes: int = 0) -> dict | None:
         """A bank only the CPU computes, {"w13": [E, 2I, D], ..}, with w13 and w2 packed for
         the fp16-weight GEMM (cpu_matmul.Fp16Bank: as many bytes, 1.4-2x torch's bf16
         products): {"w13": Fp16Bank, "w2": .., biases}. None where it does not apply.
-        split: the CPU engine's second core for prefill chunks (cpu_split.py)."""
+        split: the CPU engine's second core for prefill chunks (cpu_split.py); spare_bytes:
+        unused (the packed bank takes the bytes of the one it replaces)."""
         if not self.packs_cpu(bank):
             return None
         return {name: tk.Fp16Bank(t, split) if name in ("w13", "w2") else t

@@ -26,7 +26,7 @@ import torch
 
 import triton_kernels as tk
 from freetoken.moe.layout import ExpertLayout, ExpertTensor
-from triton_kernels.dequant import QuantFormat
+from triton_kernels.dequant import QuantFormat, weight_shape
 
 
 def weight_tensors(fmt: QuantFormat, n: int, k: int, scale_dtype=torch.float32,
@@ -106,17 +106,39 @@ class QuantExpertLayout(ExpertLayout):
         return all(isinstance(w, dict) and tk.packable_int4(self.fmt, w, self.dtype)
                    for w in (self.weights(bank, which) for which in ("w13", "w2")))
 
-    def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None) -> dict | None:
-        """A bank only the CPU computes, {"w13.q": [E, ..], ..}, with w13 and w2 repacked for
-        torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the checkpoint's bytes,
-        1.8x torch's bf16 product at 1 row and 3-12x the tile decode): {"w13": Int4Packed,
-        "w2": .., biases}. None where it does not apply (not int4, not bf16, shapes the
-        kernel refuses). split: unused (torch's int4 GEMM runs on its own threads)."""
-        if not self.packs_cpu(bank):
+    def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None,
+                 spare_bytes: int = 0) -> dict | None:
+        """A bank only the CPU computes, {"w13.q": [E, ..], ..}, repacked for a CPU GEMM:
+        - INT4 in bf16: for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the
+          checkpoint's bytes, 1.8x torch's bf16 product at 1 row and 3-12x the tile decode):
+          {"w13": Int4Packed, "w2": .., biases};
+        - the formats torch's CPU has no GEMM for (fp8, mxfp4, nvfp4, INT4 the int4 GEMM
+          refuses), in a 16-bit model, where spare_bytes (host RAM the caller can give) hold
+          2 bytes a weight: each expert decoded once and packed for the fp16-weight GEMM
+          (cpu_matmul.Fp16Bank.decoded, split: the CPU engine's CpuSplit), replacing the
+          tile decode at every call (3-9x a bf16 layer's time, bench/cpu_moe.py). float16
+          keeps 11 bits of a decoded value (the tile decode rounds it to bf16's 8); an
+          expert beyond float16's range keeps the bank as it is.
+        None where neither applies."""
+        biases = {name: t for name, t in bank.items() if name in ("b13", "b2")}
+        if self.packs_cpu(bank):
+            return {which: tk.Int4Packed(self.fmt, self.weights(bank, which))
+                    for which in ("w13", "w2")} | biases
+        w13, w2 = self.weights(bank, "w13"), self.weights(bank, "w2")
+        if not (isinstance(w13, dict) and isinstance(w2, dict)) or self.dtype == torch.float32:
             return None
-        packed = {which: tk.Int4Packed(self.fmt, self.weights(bank, which))
-                  for which in ("w13", "w2")}
-        return packed | {name: t for name, t in bank.items() if name in ("b13", "b2")}
+        shapes = {which: weight_shape(self.fmt, w) for which, w in (("w13", w13), ("w2", w2))}
+        if spare_bytes < sum(2 * lead[0] * n * k for lead, n, k in shapes.values()):
+            return None                                         # 2 bytes a weight
+        packed = {}
+        for which, w in (("w13", w13), ("w2", w2)):
+            (experts,), n, k = shapes[which]
+            packed[which] = tk.Fp16Bank.decoded(
+                (experts, n, k), self.dtype, lambda e, w=w: tk.dequantize_reference(
+                    self.fmt, {name: t[e] for name, t in w.items()}, torch.float32), split)
+            if packed[which] is None:
+                return None
+        return packed | biases
 
     def run_reference(self, x, bank, topk_weights, topk_ids, slot_map=None):
         """The CPU experts: one routed expert decoded at a time, a tile of rows at a time,

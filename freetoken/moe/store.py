@@ -101,16 +101,18 @@ class ExpertStore:
         self.cpu_banks[layer] = packed
         return _packed_bytes(packed)
 
-    def pack_cpu(self, layer: int, split: tk.CpuSplit | None = None) -> dict | None:
+    def pack_cpu(self, layer: int, split: tk.CpuSplit | None = None,
+                 spare_bytes: int = 0) -> dict | None:
         """A layer whose experts only the CPU computes (never fetched, so never pinned): its
         bank repacked in place for a faster CPU product where the format has one (the
         layout's pack_cpu). Returns the packed bank (the caller hands it to the model's
         ExpertBank at once, so the checkpoint's tensors go before the next layer packs), or
         None: a pinned layer or a format without one stays as it is. split: the CPU
-        engine's CpuSplit (the packed bank's prefill chunks on two cores)."""
+        engine's CpuSplit (the packed bank's prefill chunks on two cores); spare_bytes: host
+        RAM a larger packed form may take (a quantized layout's decoded one)."""
         if self.pinned[layer]:
             return None
-        packed = self.layout.pack_cpu(self.banks[layer], split)
+        packed = self.layout.pack_cpu(self.banks[layer], split, spare_bytes)
         if packed is not None:
             self.banks[layer] = packed
         return packed

@@ -65,14 +65,16 @@ class ExpertBank(nn.Module):
             return self.packed
         return {name: getattr(self, self.attr(name)) for name in self._layout.names}
 
-    def pack_cpu(self, packed: dict | None = None, split: tk.CpuSplit | None = None) -> int:
+    def pack_cpu(self, packed: dict | None = None, split: tk.CpuSplit | None = None,
+                 spare_bytes: int = 0) -> int:
         """Experts only the CPU computes, in a format it has a faster product for (the
         layout's pack_cpu: 16-bit weights for the fp16-weight GEMM, INT4 for the int4 GEMM),
         replacing the checkpoint's tensors. packed: the host store's bank, already packed
-        (ExpertStore.pack_cpu). split: the CPU engine's CpuSplit. Returns the packed bytes
-        (0: nothing to pack)."""
+        (ExpertStore.pack_cpu). split: the CPU engine's CpuSplit; spare_bytes: host RAM a
+        larger packed form may take (a quantized layout's decoded one). Returns the packed
+        bytes (0: nothing to pack)."""
         if packed is None:
-            packed = self.layout.pack_cpu(self.bank(), split)
+            packed = self.layout.pack_cpu(self.bank(), split, spare_bytes)
             if packed is None:
                 return 0
         for name in self._layout.names:
