@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""One MoE layer on the CPU: bf16 experts (and their fp16-weight GEMM form, cpu_matmul.Fp16Bank)
-against each quantized format's CPU decode (triton_kernels/dequant_cpu.py), INT4's packed
-form (int4_cpu.py: experts only the CPU computes) and the float32 reference, in one run.
+"""One MoE layer on the CPU: bf16 experts (and their fp16-weight GEMM form, cpu_matmul.Fp16Bank,
+alone and with the CPU engine's CpuSplit) against each quantized format's CPU decode
+(triton_kernels/dequant_cpu.py), the packed forms of experts only the CPU computes (INT4's for
+the int4 GEMM, int4_cpu.py; the others decoded once to fp16, Fp16Bank.decoded) and the
+float32 reference, in one run.
 
     python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
     python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
@@ -69,9 +71,12 @@ def main(argv=None) -> int:
     w13 = (torch.randn(e, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
     w2 = (torch.randn(e, d, i, generator=g) * i ** -0.5).bfloat16()
     arms = {"bf16": lambda x, w, ids: fused_moe_reference(x, w13, w2, w, ids)}
+    split = tk.CpuSplit()           # the CPU engine's: calls of ~1 GFLOP and more on two cores
     if tk.packable(w13) and tk.packable(w2):         # CPU-only experts' form (FBGEMM fp16)
         f13, f2 = tk.Fp16Bank(w13), tk.Fp16Bank(w2)
         arms["bf16 packed"] = lambda x, w, ids: fused_moe_reference(x, f13, f2, w, ids)
+        s13, s2 = tk.Fp16Bank(w13, split), tk.Fp16Bank(w2, split)
+        arms["bf16 packed split"] = lambda x, w, ids: fused_moe_reference(x, s13, s2, w, ids)
     for name in [f for f in args.formats.split(",") if f]:
         fmt = QuantFormat(**FORMATS[name])
         q13, q2 = bank(fmt, e, 2 * i, d, g), bank(fmt, e, d, i, g)
@@ -81,6 +86,14 @@ def main(argv=None) -> int:
             p13, p2 = tk.Int4Packed(fmt, q13), tk.Int4Packed(fmt, q2)   # CPU-only experts' form
             arms[f"{name} packed"] = (lambda x, w, ids, fmt=fmt, p13=p13, p2=p2:
                                       fused_moe_quant_cpu(x, fmt, p13, p2, w, ids))
+        else:       # the 16-bit CPU engine's form where RAM holds 2 bytes a weight (with its split)
+            d13, d2 = (tk.Fp16Bank.decoded((e, n, kk), torch.bfloat16, lambda j, q=q: (
+                           tk.dequantize_reference(fmt, {t: v[j] for t, v in q.items()},
+                                                   torch.float32)), split)
+                       for q, n, kk in ((q13, 2 * i, d), (q2, d, i)))
+            if d13 is not None and d2 is not None:
+                arms[f"{name} decoded"] = (lambda x, w, ids, fmt=fmt, d13=d13, d2=d2:
+                                           fused_moe_quant_cpu(x, fmt, d13, d2, w, ids))
         if not args.skip_reference:
             arms[f"{name} reference"] = (lambda x, w, ids, fmt=fmt, q13=q13, q2=q2:
                                          fused_moe_quant_reference(x, fmt, q13, q2, w, ids))
