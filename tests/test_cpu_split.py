@@ -118,3 +118,28 @@ def test_freed_host_memory_keeps_its_pages():
     for _ in range(10):
         one_forward()
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000
+
+
+def test_banks_of_threaded_experts_are_not_split(two_threads):
+    # Experts of 1M weights and more take FBGEMM's threaded entry point, on every core
+    # already: the split leaves them alone (on a many-core box it would cap them at two).
+    g = torch.Generator().manual_seed(6)
+    d, i, pool = 1024, 512, 2
+    w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
+    w2 = (torch.randn(pool, d, i, generator=g) * i ** -0.5).bfloat16()
+    split = tk.CpuSplit(min_flops=0)
+    calls = []
+    real_map = split.map
+    split.map = lambda *a: calls.append(1) or real_map(*a)
+    try:
+        b13, b2 = tk.Fp16Bank(w13, split), tk.Fp16Bank(w2, split)
+        assert b13.threaded and not b2.threaded
+        x = torch.randn(8, d, generator=g).bfloat16()
+        ids = torch.tensor([[0, 1]] * 8)
+        weights = torch.full((8, 2), 0.5)
+        out = fused_moe_reference(x, b13, b2, weights, ids)
+        assert not calls
+        assert torch.equal(out, fused_moe_reference(x, tk.Fp16Bank(w13), tk.Fp16Bank(w2),
+                                                    weights, ids))
+    finally:
+        split.close()

@@ -137,13 +137,22 @@ class Fp16Bank:
         self.nbytes = self.experts * self.n * self.k * 2
         self.split = split
 
+        failed = []
+
         def pack(e: int) -> Fp16Weight | None:
+            if failed:                          # one expert out of range: the bank is refused
+                return None
             w = weight(e)
-            return Fp16Weight(w) if not check or packable(w, decoded=True) else None
+            if check and not packable(w, decoded=True):
+                failed.append(e)
+                return None
+            return Fp16Weight(w)
         # FBGEMM's packer is one thread a matrix (~4 ns a weight with the float32 copy it
         # takes; a model's experts at load): experts packed on torch's thread count at once.
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             self.mats = list(pool.map(pack, range(self.experts)))
+        # Experts of the threaded entry point use every core already: never split.
+        self.threaded = any(m is not None and m.threaded for m in self.mats)
         return all(m is not None for m in self.mats)
 
     # The experts run in float32 end to end (fused_moe.moe_packed_banks): x widened once a

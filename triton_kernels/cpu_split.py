@@ -1,10 +1,12 @@
 """A second core for work torch runs on one: a helper thread that takes half of it.
 
-FBGEMM's one-thread fp16 GEMM (cpu_matmul.Fp16Weight below THREADED_ELEMENTS: experts) runs a
-prefill chunk's experts on one core while the other idles; torch's threaded entry point to it
-costs ~15 us a call, too much for a decode step's hundreds of small products (cpu_matmul.py).
-So a CPU engine splits a prefill chunk's experts in two and gives one half to a helper thread:
-torch's ops release the GIL, so the two halves run on two cores.
+FBGEMM's one-thread fp16 GEMM (cpu_matmul.Fp16Weight below THREADED_ELEMENTS: the experts of
+small and mid-sized models, e.g. [512, 1024]) runs a prefill chunk's experts on one core while
+the other idles; torch's threaded entry point to it costs ~15 us a call, too much for a decode
+step's hundreds of small products (cpu_matmul.py). So a CPU engine splits a prefill chunk's
+experts in two and gives one half to a helper thread: torch's ops release the GIL, so the two
+halves run on two cores. Banks whose experts take the threaded entry point already use every
+core and are not split (Fp16Bank.threaded).
 
 Two things make it pay (measured on the 2-core EPYC, one MoE layer of 512 tokens, 64
 experts, top-8, D 1024, I 256: 72-92 -> 48-50 ms, the same bits):
@@ -20,11 +22,12 @@ experts, top-8, D 1024, I 256: 72-92 -> 48-50 ms, the same bits):
   22-29 ms a step), and libgomp reads it once, from the environment, before torch loads.
 
 The split is an object its owner (the CPU engine) makes and hands to the banks it packs; it
-holds no state but the thread.
+holds the thread and its threshold, nothing else.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
@@ -53,9 +56,11 @@ class CpuSplit:
         threads = torch.get_num_threads()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ft-cpu-split",
                                         initializer=_one_thread_team)
-        self._pool.submit(lambda: None).result()
-        # torch.set_num_threads also sets the count new threads start with: set it back.
-        torch.set_num_threads(threads)
+        try:
+            self._pool.submit(lambda: None).result()
+        finally:
+            # torch.set_num_threads also sets the count new threads start with: set it back.
+            torch.set_num_threads(threads)
 
     def worth(self, flops: float) -> bool:
         return flops >= self.min_flops
@@ -69,16 +74,27 @@ class CpuSplit:
         cut = _halfway(weights)
         if threads < 2 or not 0 < cut < len(items):
             return fn(items)
+        # The helper runs in the caller's grad and inference modes (both are per thread).
+        modes = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
         torch.set_num_threads(1)
+        second = None
         try:
-            second = self._pool.submit(fn, items[cut:])
+            second = self._pool.submit(_in_modes, modes, fn, items[cut:])
             first = fn(items[:cut])
             return first + second.result()
         finally:
+            if second is not None and not second.done():
+                concurrent.futures.wait([second])     # the caller's half raised: no work left behind
             torch.set_num_threads(threads)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _in_modes(modes: tuple[bool, bool], fn, part):
+    grad, inference = modes
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        return fn(part)
 
 
 def _halfway(weights: Sequence[int]) -> int:

@@ -55,8 +55,9 @@ class SeqChunk:
 class ModelRunner:
     def __init__(self, config: EngineConfig, progress=None):
         self.config = config
-        keep_freed_heap()   # host tensors of a CPU forward reuse pages, not fault new ones
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_heap()   # a CPU forward's host tensors reuse pages, not fault new ones
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         triton_kernels.check_backend(config.kernel_backend)
@@ -206,12 +207,12 @@ class ModelRunner:
             return int(max(free - total * (1 - cfg.gpu_memory_utilization), 0))
         return int(cfg.cpu_kv_cache_gb * 2**30)
 
-    @staticmethod
-    def _spare_host_bytes() -> int:
+    def _spare_host_bytes(self) -> int:
         """Host RAM a larger packed form of a CPU layer's experts may take now (a quantized
-        bank decoded to 16 bits: QuantExpertLayout.pack_cpu): free RAM less a quarter of it
-        and at least HYBRID_COPY_RESERVE, left to the rest of the process."""
-        free = host_available_bytes()
+        bank decoded to 16 bits: QuantExpertLayout.pack_cpu): free RAM less a CPU engine's
+        KV cache (allocated after the weights) and a quarter of what is left, at least
+        HYBRID_COPY_RESERVE, for the rest of the process."""
+        free = host_available_bytes() - (self._cache_budget() if self.device.type == "cpu" else 0)
         return max(0, free - max(HYBRID_COPY_RESERVE, free // 4))
 
     def _pack_hybrid_copies(self, layers: tuple[int, ...]) -> None:

@@ -117,15 +117,17 @@ class QuantExpertLayout(ExpertLayout):
           2 bytes a weight: each expert decoded once and packed for the fp16-weight GEMM
           (cpu_matmul.Fp16Bank.decoded, split: the CPU engine's CpuSplit), replacing the
           tile decode at every call (3-9x a bf16 layer's time, bench/cpu_moe.py). float16
-          keeps 11 bits of a decoded value (the tile decode rounds it to bf16's 8); an
-          expert beyond float16's range keeps the bank as it is.
+          keeps 11 bits of a decoded value from 2^-14 up (the tile decode rounds it to bf16's
+          8; below, within an absolute 2^-25); a layer with an expert beyond float16's range
+          keeps the bank as it is.
         None where neither applies."""
         biases = {name: t for name, t in bank.items() if name in ("b13", "b2")}
         if self.packs_cpu(bank):
             return {which: tk.Int4Packed(self.fmt, self.weights(bank, which))
                     for which in ("w13", "w2")} | biases
         w13, w2 = self.weights(bank, "w13"), self.weights(bank, "w2")
-        if not (isinstance(w13, dict) and isinstance(w2, dict)) or self.dtype == torch.float32:
+        if (not (isinstance(w13, dict) and isinstance(w2, dict)) or self.dtype == torch.float32
+                or not tk.packs_fp16()):
             return None
         shapes = {which: weight_shape(self.fmt, w) for which, w in (("w13", w13), ("w2", w2))}
         if spare_bytes < sum(2 * lead[0] * n * k for lead, n, k in shapes.values()):

@@ -10,7 +10,9 @@ prefill of 512 tokens through the bench model: 150k page faults, ~0.4 s of kerne
 460-495 tok/s. The cost is that the heap keeps its high-water mark (the transient tensors'
 peak, which the next forward allocates again).
 
-mallopt is process-wide, like torch's thread count; the engine sets it once when it starts.
+mallopt is process-wide, like torch's thread count; a CPU engine's runner sets it when it
+starts. A GPU engine leaves it: host expert banks under 32 MB would then share heap pages,
+and page-locking one in place (cudaHostRegister) can refuse a page already registered.
 Elsewhere than glibc (musl, macOS) it is left alone.
 """
 
