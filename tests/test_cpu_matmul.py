@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton_kernels as tk
 from triton_kernels.cpu_matmul import WIDE_ROWS, widens
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI, _moe_loop_torch, fused_moe_reference
-from tiny_fixtures import tiny_model_dir  # noqa: F401 - a fixture
+from tiny_fixtures import biased_experts, tiny_model_dir  # noqa: F401 - a fixture
 
 
 def _ulps(got, want):
@@ -117,15 +117,9 @@ def test_packed_experts_equal_the_float32_experts(act, t):
     # Experts packed for the fp16-weight GEMM (Fp16Bank) through fused_moe, slots mapped and
     # biased: the float32 reference on the same weights within bf16 rounding, as near to it
     # as the bf16 forms are.
-    g = torch.Generator().manual_seed(3)
-    d, i, e, k, pool = 64, 32, 6, 2, 9
-    w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
-    w2 = (torch.randn(pool, d, i, generator=g) * i ** -0.5).bfloat16()
-    b13, b2 = torch.randn(pool, 2 * i, generator=g).bfloat16(), torch.randn(pool, d, generator=g).bfloat16()
-    x = torch.randn(t, d, generator=g).bfloat16()
-    weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k, dim=-1)
-    slot_map = torch.randperm(pool, generator=g)[:e]
-    kw = dict(b13=b13, b2=b2, activation=act)
+    c = biased_experts(3, t)
+    x, w13, w2, weights, ids, slot_map = (c[n] for n in ("x", "w13", "w2", "weights", "ids", "slot_map"))
+    kw = dict(b13=c["b13"], b2=c["b2"], activation=act)
     got = tk.fused_moe(x, tk.Fp16Bank(w13), tk.Fp16Bank(w2), weights, ids, slot_map, **kw)
     want = fused_moe_reference(x.float(), w13.float(), w2.float(), weights, ids, slot_map,
                                **{n: v.float() if n != "activation" else v for n, v in kw.items()})

@@ -9,6 +9,7 @@ import torch
 
 import triton_kernels as tk
 from triton_kernels.cpu_split import _halfway
+from tiny_fixtures import biased_experts
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
 
 
@@ -67,14 +68,10 @@ def test_map_runs_half_on_the_helper_in_order(two_threads):
 def test_split_experts_give_the_same_bits(two_threads, act, t):
     # Packed banks with and without a split, slots mapped and biased: equal outputs, and
     # the split taken from its min_flops (here 32 pairs' work) on, never at batch 1.
-    g = torch.Generator().manual_seed(5)
-    d, i, e, k, pool = 64, 32, 6, 2, 9
-    w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
-    w2 = (torch.randn(pool, d, i, generator=g) * i ** -0.5).bfloat16()
-    b13, b2 = torch.randn(pool, 2 * i, generator=g).bfloat16(), torch.randn(pool, d, generator=g).bfloat16()
-    x = torch.randn(t, d, generator=g).bfloat16()
-    weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k, dim=-1)
-    slot_map = torch.randperm(pool, generator=g)[:e]
+    c = biased_experts(5, t)
+    x, w13, w2, weights, ids, slot_map = (c[n] for n in ("x", "w13", "w2", "weights", "ids", "slot_map"))
+    b13, b2 = c["b13"], c["b2"]
+    (_, d), i, k = x.shape, w2.shape[2], ids.shape[1]
     pair_flops = 2 * (2 * i * d + d * i)
     split = tk.CpuSplit(min_flops=32 * pair_flops)
     calls = []

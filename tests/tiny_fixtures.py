@@ -32,3 +32,21 @@ def tiny_model_dir(tmp_path_factory):
             _BUILT[key] = make_tiny_model(out / name if name else out, family=family, seed=seed, **shape)
         return _BUILT[key]
     return build
+
+
+def biased_experts(seed: int, t: int, d: int = 64, i: int = 32, e: int = 6, k: int = 2,
+                   pool: int = 9) -> dict:
+    """A routed MoE call on random bf16 experts, slots mapped and biased: x [t, d],
+    w13 [pool, 2i, d], w2 [pool, d, i], b13, b2, top-k weights and ids over e experts, and
+    the slot map of those e experts into the pool."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
+    w2 = (torch.randn(pool, d, i, generator=g) * i ** -0.5).bfloat16()
+    b13 = torch.randn(pool, 2 * i, generator=g).bfloat16()
+    b2 = torch.randn(pool, d, generator=g).bfloat16()
+    x = torch.randn(t, d, generator=g).bfloat16()
+    weights, ids = torch.topk(torch.randn(t, e, generator=g).softmax(-1), k, dim=-1)
+    slot_map = torch.randperm(pool, generator=g)[:e]
+    return dict(x=x, w13=w13, w2=w2, b13=b13, b2=b2, weights=weights, ids=ids,
+                slot_map=slot_map)
