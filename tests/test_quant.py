@@ -382,6 +382,10 @@ def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, mo
         if kw:
             store = llm.runner.expert_store
             assert all(store.bank(i) is b for i, b in zip(store.layers, banks))
+            host = llm.runner.moe_report()["host"]     # decoded layers at their 16-bit bytes
+            packed = sum(b[w].nbytes for b in banks for w in ("w13", "w2"))
+            assert host["repacked_layers"] == list(store.layers)
+            assert host["resident_bytes"] == packed > host["expert_bytes"]
         if room and family == "qwen3_moe":
             assert banks[0]["w13"].split is llm.runner.cpu_split
         got = llm.logits(PROMPT)

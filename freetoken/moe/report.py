@@ -29,7 +29,8 @@ def runtime_report(rt) -> dict:
             # need, and the waves that step runs in at most.
             "waves": [{"layer": l, "slots": c.num_slots, "step_experts": rt.plan.step_experts,
                        "max_waves": rt.plan.max_waves} for l in rt.plan.cache_layers]},
-        "host": {"expert_bytes": s.total_bytes, "pinned_bytes": s.pinned_bytes,
+        "host": {"expert_bytes": s.total_bytes, "resident_bytes": s.host_bytes,
+                 "repacked_layers": sorted(s.repacked), "pinned_bytes": s.pinned_bytes,
                  "pin_budget_bytes": s.pin_budget_bytes,
                  "cpu_copy_bytes": s.cpu_copy_bytes, "cpu_copy_layers": sorted(s.cpu_banks)},
         "cpu_layers": list(rt.plan.cpu_layers),

@@ -53,6 +53,7 @@ class ExpertStore:
         # Layers both fetched and computed on the CPU (hybrid): a second copy packed for the
         # CPU's product (pack_cpu_copy), where host RAM allowed one.
         self.cpu_banks: dict[int, dict] = {}
+        self.repacked: dict[int, int] = {}      # CPU layer -> its bank's bytes, repacked (pack_cpu)
         self.pinned: dict[int, bool] = {}
         self._registered: list[int] = []
         for layer in self.layers:
@@ -85,6 +86,13 @@ class ExpertStore:
         return self.layout.packs_cpu(self.banks[layer])
 
     @property
+    def host_bytes(self) -> int:
+        """Host RAM the banks take now: total_bytes (the checkpoint's layout), with each CPU
+        layer repacked in place counted at its packed size (a quantized bank decoded to 16
+        bits takes 2-4x its checkpoint bytes)."""
+        return self.total_bytes + sum(b - self.layer_bytes for b in self.repacked.values())
+
+    @property
     def cpu_copy_bytes(self) -> int:
         """Host RAM the hybrid layers' packed copies take, beside total_bytes."""
         return sum(_packed_bytes(bank) for bank in self.cpu_banks.values())
@@ -115,6 +123,7 @@ class ExpertStore:
         packed = self.layout.pack_cpu(self.banks[layer], split, spare_bytes)
         if packed is not None:
             self.banks[layer] = packed
+            self.repacked[layer] = _packed_bytes(packed)
         return packed
 
     def _pin(self, layer: int) -> bool:
