@@ -131,6 +131,7 @@ def test_banks_of_threaded_experts_are_not_split(two_threads):
     try:
         b13, b2 = tk.Fp16Bank(w13, split), tk.Fp16Bank(w2, split)
         assert b13.threaded and not b2.threaded
+        assert b13.split is None and b2.split is split
         x = torch.randn(8, d, generator=g).bfloat16()
         ids = torch.tensor([[0, 1]] * 8)
         weights = torch.full((8, 2), 0.5)

@@ -13,8 +13,8 @@ Packed weights (Fp16Weight, Fp16Bank), for the projections and experts of a mode
 on the CPU: torch's fp16-weight GEMM (FBGEMM, the kernel behind dynamic fp16 quantization:
 2-byte weights widened in registers by F16C, float32 activations and sums) is the fastest
 16-bit product torch has on AVX2 at every row count; a large weight takes its threaded entry
-point (both cores: a 2-core CPU engine's batch-1 step 24.7 -> 19.3 ms, prefill 1.36x). torch's bf16 product at one row is
-bound by its bf16 widening, not by DRAM: on the 2-core EPYC, weights cold in DRAM, one row
+point (both cores: a 2-core CPU engine's batch-1 step 24.7 -> 19.3 ms, prefill 1.36x).
+torch's bf16 product at one row is bound by its bf16 widening, not by DRAM: on the 2-core EPYC, weights cold in DRAM, one row
 read 6-11 GB/s of bf16 ([1024, 256] to [1024, 1024]; 16 for a [32768, 1024] lm_head) where the
 packed fp16 GEMM read 16-20 (27) GB/s: 1.7-2.7x. From 2 rows (against the bf16 product and the
 widened one from 12 rows): 2 rows 1.4-1.8x, 8 rows 3-5x, 16 rows 2.6-3.8x, 64 rows 1.5-1.9x,
@@ -115,7 +115,8 @@ class Fp16Bank:
     One MoE layer (64 experts, top-8, D 1024, I 256, fresh routing per call) against
     fused_moe's bf16 CPU forms: 2.0x at 1 token, 1.7x at 8 and 16, 1.44x at 64.
     split: the CPU engine's CpuSplit (cpu_split.py), which runs half of a prefill chunk's
-    experts on the second core (None: one thread computes them)."""
+    experts on the second core (None: one thread computes them); a bank whose experts take
+    the threaded entry point keeps none (its products are on every core already)."""
 
     def __init__(self, w: torch.Tensor, split: CpuSplit | None = None):
         self._pack(w.shape, w.dtype, lambda e: w[e], split)
@@ -135,8 +136,6 @@ class Fp16Bank:
         self.experts, self.n, self.k = shape
         self.dtype = dtype
         self.nbytes = self.experts * self.n * self.k * 2
-        self.split = split
-
         failed = []
 
         def pack(e: int) -> Fp16Weight | None:
@@ -153,6 +152,7 @@ class Fp16Bank:
             self.mats = list(pool.map(pack, range(self.experts)))
         # Experts of the threaded entry point use every core already: never split.
         self.threaded = any(m is not None and m.threaded for m in self.mats)
+        self.split = None if self.threaded else split
         return all(m is not None for m in self.mats)
 
     # The experts run in float32 end to end (fused_moe.moe_packed_banks): x widened once a

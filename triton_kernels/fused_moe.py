@@ -212,9 +212,8 @@ def moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
         return [_packed_expert(r, w13, w2, slot, b13, b2, activation) for r, slot in part]
 
     pairs = list(zip(rows, slots))
-    split = getattr(w13, "split", None)     # a prefill chunk's experts over two cores
-    if getattr(w13, "threaded", False) or getattr(w2, "threaded", False):
-        split = None                        # their products are on every core already
+    # A prefill chunk's experts over two cores, where both banks take a split.
+    split = getattr(w13, "split", None) if getattr(w2, "split", None) is not None else None
     flops = 2 * flat.numel() * (w13.n * w13.k + w2.n * w2.k) if split is not None else 0
     if split is not None and split.worth(flops):
         h = torch.cat(split.map(experts, pairs, counts))
