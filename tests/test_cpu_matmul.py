@@ -167,7 +167,8 @@ def test_cpu_engine_packs_its_projections(tiny_model_dir):  # noqa: F811
                           (a.q_proj, a.k_proj, a.v_proj)):
         assert torch.equal(part, tk.Fp16Weight(proj.weight, proj.bias)(x))
     banks = [b.experts for b in model.moe_blocks().values()]
-    assert banks and all(isinstance(b.bank()["w13"], tk.Fp16Bank) and not hasattr(b, "w13")
+    cpu_bank = tk.NativeBank if tk.native_moe() else tk.Fp16Bank
+    assert banks and all(isinstance(b.bank()["w13"], cpu_bank) and not hasattr(b, "w13")
                          for b in banks)
     gates = [b.gate for b in model.moe_blocks().values()]     # the routers, packed too
     assert all(g.packed is not None for g in gates)
@@ -204,12 +205,20 @@ def bf16_moe_model(tmp_path_factory):
 
 
 @pytest.mark.usefixtures("one_thread", "no_saved_profiles")
-def test_experts_only_the_cpu_computes_are_packed(bf16_moe_model, monkeypatch):
-    # Every bank only the CPU computes is repacked in place (the store's, one copy); hybrid
-    # layers, also fetched, keep their bf16 bank and, room allowing, a packed copy; every
-    # path's logits follow the float32 engine's.
+@pytest.mark.parametrize("native", [True, False])
+def test_experts_only_the_cpu_computes_are_packed(bf16_moe_model, monkeypatch, native):
+    # Every bank only the CPU computes is repacked in place (the store's, one copy): for the
+    # native kernel (the tensors as they are) or, without one, the fp16-weight GEMM; hybrid
+    # layers, also fetched, keep their bf16 bank and, room allowing, a CPU form beside it
+    # (the native one reads the fetched bank in place: no bytes); every path's logits
+    # follow the float32 engine's.
     import freetoken.engine.model_runner as mr
     from freetoken import LLM
+    if native and tk.native_moe() is None:
+        pytest.skip("no C compiler: the native kernel is not built")
+    if not native:
+        monkeypatch.setattr(tk, "native_moe", lambda: None)
+    cpu_bank = tk.NativeBank if native else tk.Fp16Bank
     prompt = [5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2]
     want = LLM(bf16_moe_model, skip_tokenizer_init=True, dtype="float32").logits(prompt)
     monkeypatch.setattr(mr, "host_available_bytes", lambda: 64 << 30)     # room for copies
@@ -223,17 +232,21 @@ def test_experts_only_the_cpu_computes_are_packed(bf16_moe_model, monkeypatch):
         assert (name == "hybrid") != bool(cpu_layers), name
         for i, b in blocks.items():
             bank = b.experts.bank()
-            assert isinstance(bank["w13"], tk.Fp16Bank) == (i in cpu_layers), f"{name} {i}"
-            if i in cpu_layers:         # the CPU engine's second core for prefill chunks
+            assert isinstance(bank["w13"], cpu_bank) == (i in cpu_layers), f"{name} {i}"
+            if i in cpu_layers and not native:  # the CPU engine's second core for prefill
                 assert bank["w13"].split is llm.runner.cpu_split is not None
             if store is not None:
                 assert (store.bank(i) is bank) == (i in cpu_layers)
         if name == "hybrid":
             layers = llm.runner.moe_plan.cache_layers
             assert layers and set(store.cpu_banks) == set(layers)
-            assert all(isinstance(store.cpu_bank(i)["w2"], tk.Fp16Bank)
+            assert all(isinstance(store.cpu_bank(i)["w2"], cpu_bank)
                        and isinstance(store.bank(i)["w2"], torch.Tensor) for i in layers)
-            assert llm.runner.moe_report()["host"]["cpu_copy_bytes"] == store.cpu_copy_bytes > 0
+            copy = llm.runner.moe_report()["host"]["cpu_copy_bytes"]
+            assert copy == store.cpu_copy_bytes and (copy == 0) == native
+            if native:
+                assert all(store.cpu_bank(i)["w2"].weight.data_ptr()
+                           == store.bank(i)["w2"].data_ptr() for i in layers)
         got = llm.logits(prompt)
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 0.05, f"{name}: relative logit error {err:.2e} against float32"

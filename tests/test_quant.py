@@ -365,9 +365,10 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
 def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, monkeypatch,
                                                                     quant, family):
     # Experts only the CPU computes, in a format torch's CPU has no GEMM for, are decoded
-    # once into fp16-packed banks when host RAM holds 2 bytes a weight (resident, and the
-    # store's CPU layers); without the room they keep the tile decode. Both stay as near the
-    # float32 engine as bf16 allows, the decoded one (float16's 11 bits) no farther.
+    # once into 16-bit banks (the native kernel's, or fp16-packed without one) when host RAM
+    # holds 2 bytes a weight (resident, and the store's CPU layers); without the room they
+    # keep the tile decode. Both stay as near the float32 engine as bf16 allows, the decoded
+    # one (float16's 11 bits) no farther.
     import freetoken.engine.model_runner as mr
     import triton_kernels as tk
     path = str(tiny(tmp_path / "q", family, quant))
@@ -377,8 +378,9 @@ def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, mo
         monkeypatch.setattr(mr, "host_available_bytes", lambda room=room: room)
         llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", **kw)
         banks = [b.experts.bank() for b in llm.runner.model.moe_blocks().values()]
-        assert banks and all(isinstance(b.get("w13"), tk.Fp16Bank) == bool(room)
-                             and isinstance(b.get("w2"), tk.Fp16Bank) == bool(room) for b in banks)
+        cpu_bank = tk.NativeBank if tk.native_moe() else tk.Fp16Bank
+        assert banks and all(isinstance(b.get("w13"), cpu_bank) == bool(room)
+                             and isinstance(b.get("w2"), cpu_bank) == bool(room) for b in banks)
         if kw:
             store = llm.runner.expert_store
             assert all(store.bank(i) is b for i, b in zip(store.layers, banks))
@@ -386,7 +388,7 @@ def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, mo
             packed = sum(b[w].nbytes for b in banks for w in ("w13", "w2"))
             assert host["repacked_layers"] == list(store.layers)
             assert host["resident_bytes"] == packed > host["expert_bytes"]
-        if room and family == "qwen3_moe":
+        if room and family == "qwen3_moe" and cpu_bank is tk.Fp16Bank:
             assert banks[0]["w13"].split is llm.runner.cpu_split
         got = llm.logits(PROMPT)
         errs[(room, bool(kw))] = err = rel_err(got.float(), want)

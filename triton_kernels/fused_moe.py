@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
+from triton_kernels.cpu_native import NativeBank, moe_native
 from triton_kernels.moe_align import moe_align
 
 
@@ -71,6 +72,8 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         activation: MoeActivation = SILU) -> torch.Tensor:
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
+    if isinstance(w13, NativeBank):     # experts only the CPU computes, by the native kernel
+        return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, Fp16Bank):       # experts only the CPU computes, packed for its GEMM
         _check_packed(x, w13, w2)
         return moe_packed_banks(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
@@ -727,5 +730,6 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map, b13=None, b2=N
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None, b2=None,
               activation: MoeActivation = SILU):
-    op = fused_moe_triton if use_triton(x) and not isinstance(w13, Fp16Bank) else fused_moe_reference
+    op = (fused_moe_triton if use_triton(x) and not isinstance(w13, (Fp16Bank, NativeBank))
+          else fused_moe_reference)
     return op(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13, b2=b2, activation=activation)

@@ -95,17 +95,39 @@ class ExpertLayout:
 
     def packs_cpu(self, bank: dict) -> bool:
         """Whether pack_cpu would pack this bank (without packing it): 16-bit weights on the
-        CPU inside float16's range, on a torch with the fp16-weight GEMM."""
-        return all(isinstance(bank[w], torch.Tensor) and tk.packable(bank[w]) for w in ("w13", "w2"))
+        CPU, for the native kernel or (without one) the fp16-weight GEMM, inside float16's
+        range, on a torch that has it."""
+        return self._native(bank) is not None or all(
+            isinstance(bank[w], torch.Tensor) and tk.packable(bank[w]) for w in ("w13", "w2"))
+
+    def packs_in_place(self, bank: dict) -> bool:
+        """Whether pack_cpu reads the bank's own tensors (the native kernel): no bytes taken."""
+        return self._native(bank) is not None
+
+    @staticmethod
+    def _native(bank: dict) -> tk.NativeMoe | None:
+        kernel = tk.native_moe()
+        if kernel is None or not all(
+                isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+                and kernel.handles(t.dtype) for t in (bank.get("w13"), bank.get("w2"))):
+            return None
+        return kernel
 
     def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None,
                  spare_bytes: int = 0) -> dict | None:
-        """A bank only the CPU computes, {"w13": [E, 2I, D], ..}, with w13 and w2 packed for
-        the fp16-weight GEMM (cpu_matmul.Fp16Bank: as many bytes, 1.4-2x torch's bf16
-        products): {"w13": Fp16Bank, "w2": .., biases}. None where it does not apply.
-        split: the CPU engine's second core for prefill chunks (cpu_split.py); spare_bytes:
-        unused (the packed bank takes the bytes of the one it replaces)."""
-        if not self.packs_cpu(bank):
+        """A bank only the CPU computes, {"w13": [E, 2I, D], ..}, for its fastest product:
+        - the native kernel (cpu_native.NativeBank: the tensors as they are, 1.3-2x the
+          fp16-weight GEMM at every token count): {"w13": NativeBank, "w2": .., biases};
+        - without it (no C compiler), w13 and w2 packed for the fp16-weight GEMM
+          (cpu_matmul.Fp16Bank: as many bytes, 1.4-2x torch's bf16 products), split: the
+          CPU engine's second core for prefill chunks (cpu_split.py).
+        None where neither applies. spare_bytes: unused (neither takes more bytes)."""
+        kernel = self._native(bank)
+        if kernel is not None:
+            return {name: tk.NativeBank(t, kernel) if name in ("w13", "w2") else t
+                    for name, t in bank.items()}
+        if not all(isinstance(bank[w], torch.Tensor) and tk.packable(bank[w])
+                   for w in ("w13", "w2")):
             return None
         return {name: tk.Fp16Bank(t, split) if name in ("w13", "w2") else t
                 for name, t in bank.items()}

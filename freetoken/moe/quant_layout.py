@@ -106,6 +106,9 @@ class QuantExpertLayout(ExpertLayout):
         return all(isinstance(w, dict) and tk.packable_int4(self.fmt, w, self.dtype)
                    for w in (self.weights(bank, which) for which in ("w13", "w2")))
 
+    def packs_in_place(self, bank: dict) -> bool:
+        return False                # the int4 GEMM's and the decoded forms are new tensors
+
     def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None,
                  spare_bytes: int = 0) -> dict | None:
         """A bank only the CPU computes, {"w13.q": [E, ..], ..}, repacked for a CPU GEMM:
@@ -114,12 +117,13 @@ class QuantExpertLayout(ExpertLayout):
           {"w13": Int4Packed, "w2": .., biases};
         - the formats torch's CPU has no GEMM for (fp8, mxfp4, nvfp4, INT4 the int4 GEMM
           refuses), in a 16-bit model, where spare_bytes (host RAM the caller can give) hold
-          2 bytes a weight: each expert decoded once and packed for the fp16-weight GEMM
-          (cpu_matmul.Fp16Bank.decoded, split: the CPU engine's CpuSplit), replacing the
-          tile decode at every call (3-9x a bf16 layer's time, bench/cpu_moe.py). float16
-          keeps 11 bits of a decoded value from 2^-14 up (the tile decode rounds it to bf16's
-          8; below, within an absolute 2^-25); a layer with an expert beyond float16's range
-          keeps the bank as it is.
+          2 bytes a weight: each expert decoded once, in float16, for the native kernel
+          (cpu_native.NativeBank.decoded; bfloat16 where an expert is beyond float16's
+          range) or, without one, packed for the fp16-weight GEMM (cpu_matmul.Fp16Bank.decoded,
+          split: the CPU engine's CpuSplit; a layer with an expert beyond float16's range
+          keeps the bank as it is), replacing the tile decode at every call (3-9x a bf16
+          layer's time, bench/cpu_moe.py). float16 keeps 11 bits of a decoded value from
+          2^-14 up (the tile decode rounds it to bf16's 8; below, within an absolute 2^-25).
         None where neither applies."""
         biases = {name: t for name, t in bank.items() if name in ("b13", "b2")}
         if self.packs_cpu(bank):
@@ -132,14 +136,24 @@ class QuantExpertLayout(ExpertLayout):
         shapes = {which: weight_shape(self.fmt, w) for which, w in (("w13", w13), ("w2", w2))}
         if spare_bytes < sum(2 * lead[0] * n * k for lead, n, k in shapes.values()):
             return None                                         # 2 bytes a weight
+        kernel = tk.native_moe()
         packed = {}
         for which, w in (("w13", w13), ("w2", w2)):
             (experts,), n, k = shapes[which]
-            packed[which] = tk.Fp16Bank.decoded(
-                (experts, n, k), self.dtype, lambda e, w=w: tk.dequantize_reference(
-                    self.fmt, {name: t[e] for name, t in w.items()}, torch.float32), split)
-            if packed[which] is None:
-                return None
+
+            def decode(e, w=w):
+                return tk.dequantize_reference(self.fmt, {name: t[e] for name, t in w.items()},
+                                               torch.float32)
+            if kernel is not None:
+                packed[which] = tk.NativeBank.decoded((experts, n, k), decode, kernel)
+            else:
+                packed[which] = tk.Fp16Bank.decoded((experts, n, k), self.dtype, decode, split)
+                if packed[which] is None:
+                    return None
+        if kernel is not None and packed["w13"].dtype != packed["w2"].dtype:
+            # one bank beyond float16's range went to bfloat16: the kernel takes one dtype
+            packed = {which: tk.NativeBank(b.weight.to(torch.bfloat16), kernel)
+                      for which, b in packed.items()}
         return packed | biases
 
     def run_reference(self, x, bank, topk_weights, topk_ids, slot_map=None):

@@ -95,19 +95,21 @@ class ExpertStore:
     @property
     def cpu_copy_bytes(self) -> int:
         """Host RAM the hybrid layers' packed copies take, beside total_bytes."""
-        return sum(_packed_bytes(bank) for bank in self.cpu_banks.values())
+        return sum(_packed_bytes(bank, self.banks[layer]) for layer, bank in self.cpu_banks.items())
 
     def pack_cpu_copy(self, layer: int, spare_bytes: int) -> int:
         """A layer that is fetched and also computed on the CPU (hybrid): keep a copy of its
         bank packed for the CPU's product (about the checkpoint's bytes again) beside the
-        fetched one, if it fits in spare_bytes. Returns the bytes it took (0: none)."""
-        if self.layer_bytes > spare_bytes:
+        fetched one, if it fits in spare_bytes (the native kernel's bank reads the fetched
+        one in place: no bytes). Returns the bytes it took (0: none, or in place)."""
+        bank = self.banks[layer]
+        if self.layer_bytes > spare_bytes and not self.layout.packs_in_place(bank):
             return 0
-        packed = self.layout.pack_cpu(self.banks[layer])
+        packed = self.layout.pack_cpu(bank)
         if packed is None:
             return 0
         self.cpu_banks[layer] = packed
-        return _packed_bytes(packed)
+        return _packed_bytes(packed, bank)
 
     def pack_cpu(self, layer: int, split: tk.CpuSplit | None = None,
                  spare_bytes: int = 0) -> dict | None:
@@ -154,6 +156,11 @@ def _unregister(ptrs: list[int]) -> None:
     ptrs.clear()
 
 
-def _packed_bytes(bank: dict) -> int:
-    """A packed bank's bytes: its w13 and w2 (the biases are the checkpoint bank's own)."""
-    return sum(bank[which].nbytes for which in ("w13", "w2"))
+def _packed_bytes(bank: dict, source: dict | None = None) -> int:
+    """A packed bank's bytes: its w13 and w2 (the biases are the checkpoint bank's own), less
+    those a native bank reads in place from source's tensors."""
+    def own(which: str) -> bool:
+        packed, t = bank[which], (source or {}).get(which)
+        return not (isinstance(packed, tk.NativeBank) and isinstance(t, torch.Tensor)
+                    and packed.weight.data_ptr() == t.data_ptr())
+    return sum(bank[which].nbytes for which in ("w13", "w2") if own(which))

@@ -1,0 +1,135 @@
+"""The CPU experts' native kernel (triton_kernels/cpu_moe.c, cpu_native.py): built at first
+use, it runs a whole MoE layer's routed experts in one call. Its oracle is the torch reference
+on the same weights widened to float32 (the kernel reads the 16-bit weights as they are and
+sums in float32, so only the order of the sums differs)."""
+
+import pytest
+import torch
+
+import triton_kernels as tk
+from tiny_fixtures import biased_experts
+from triton_kernels import cpu_native
+from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
+
+pytestmark = pytest.mark.skipif(tk.native_moe() is None,
+                                reason="no C compiler: the native kernel is not built")
+
+
+@pytest.fixture
+def threads():
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)
+
+
+def reference(c, activation, dtype, biased=True):
+    """float32 torch reference on the 16-bit weights, exactly widened."""
+    kw = dict(b13=c["b13"].float(), b2=c["b2"].float()) if biased else {}
+    return fused_moe_reference(c["x"].float(), c["w13"].to(dtype).float(),
+                               c["w2"].to(dtype).float(), c["weights"], c["ids"],
+                               c["slot_map"], activation=activation, **kw)
+
+
+def rel(a, b):
+    return ((a.float() - b).norm() / b.norm()).item()
+
+
+# d and i: multiples of 32 (whole paired blocks), and ones with tails in both products.
+@pytest.mark.parametrize("d,i", [(64, 32), (72, 40)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])
+def test_native_moe_matches_the_float32_reference(d, i, dtype, activation, threads):
+    # Token counts 1 (decode), 3 (a partial token block), 9 and 40 (several experts with
+    # 4 tokens and more: the 4-row tiles, and their remainders); slots mapped, biases on.
+    threads(2)
+    kernel = tk.native_moe()
+    for t in (1, 3, 9, 40):
+        c = biased_experts(seed=t, t=t, d=d, i=i, e=6, k=2, pool=9)
+        w13, w2 = c["w13"].to(dtype), c["w2"].to(dtype)
+        want = reference(c, activation, dtype)
+        got = kernel(c["x"], w13, w2, c["weights"], c["ids"], c["slot_map"], c["b13"],
+                     c["b2"], activation.kind, activation.alpha, activation.limit)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert rel(got, want) < 1e-5, (t, rel(got, want))
+        # Without biases and slot map (ids index the bank directly).
+        ids = c["slot_map"][c["ids"]]
+        plain = kernel(c["x"], w13, w2, c["weights"], ids)
+        want = fused_moe_reference(c["x"].float(), w13.float(), w2.float(), c["weights"], ids)
+        assert rel(plain, want) < 1e-5
+
+
+def test_native_moe_gives_the_same_bits_on_any_thread_count(threads):
+    # Each output is summed in one fixed order whoever computes it.
+    c = biased_experts(seed=5, t=24, d=64, i=32, e=6, k=3, pool=9)
+    kernel = tk.native_moe()
+    outs = []
+    for n in (1, 2, 3):
+        threads(n)
+        outs.append(kernel(c["x"], c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"],
+                           c["b13"], c["b2"]))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_native_banks_through_fused_moe():
+    # fused_moe (and its reference) hand two native banks to the kernel: x's dtype back,
+    # float32 inside; an empty routing gives zeros; mixed or foreign banks are refused.
+    c = biased_experts(seed=2, t=5, d=64, i=32)
+    kernel = tk.native_moe()
+    b13, b2 = tk.NativeBank(c["w13"], kernel), tk.NativeBank(c["w2"], kernel)
+    assert (b13.experts, b13.n, b13.k, b13.nbytes) == (9, 64, 64, 9 * 64 * 64 * 2)
+    got = tk.fused_moe(c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"],
+                       b13=c["b13"], b2=c["b2"])
+    want = reference(c, SILU, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and rel(got, want) < 1e-2
+    empty = tk.fused_moe(c["x"], b13, b2, c["weights"][:, :0], c["ids"][:, :0])
+    assert torch.equal(empty, torch.zeros_like(c["x"]))
+    with pytest.raises(ValueError, match="native banks"):
+        tk.fused_moe(c["x"], b13, c["w2"], c["weights"], c["ids"], c["slot_map"])
+    with pytest.raises(ValueError, match="native banks"):
+        tk.fused_moe(c["x"], b13, tk.NativeBank(c["w2"].half(), kernel), c["weights"],
+                     c["ids"], c["slot_map"])
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        tk.NativeBank(c["w13"].float(), kernel)
+
+
+def test_native_moe_refuses_bad_input():
+    c = biased_experts(seed=3, t=4, d=64, i=32)
+    kernel = tk.native_moe()
+    with pytest.raises(ValueError, match="outside the bank's 9 slots"):
+        kernel(c["x"], c["w13"], c["w2"], c["weights"], c["ids"] + 100)
+    with pytest.raises(ValueError, match="outside"):
+        kernel(c["x"], c["w13"], c["w2"], c["weights"], -c["ids"] - 1)
+    with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):
+        kernel(c["x"], c["w13"], c["w2"].half(), c["weights"], c["ids"], c["slot_map"])
+    with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):
+        kernel(c["x"][:, :32], c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"])
+    with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):
+        kernel(c["x"], c["w13"], c["w2"], c["weights"][:2], c["ids"], c["slot_map"])
+
+
+def test_decoded_bank_keeps_float16_or_falls_back_to_bfloat16():
+    kernel = tk.native_moe()
+    small = [torch.randn(8, 32) for _ in range(3)]
+    bank = tk.NativeBank.decoded((3, 8, 32), lambda e: small[e], kernel)
+    assert bank.dtype == torch.float16
+    assert torch.equal(bank.weight, torch.stack(small).half())
+    big = [s.clone() for s in small]
+    big[1][0, 0] = 1e6                              # beyond float16's range
+    bank = tk.NativeBank.decoded((3, 8, 32), lambda e: big[e], kernel)
+    assert bank.dtype == torch.bfloat16
+    assert torch.equal(bank.weight, torch.stack(big).bfloat16())
+
+
+def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
+    # The library lands in FREETOKEN_CACHE, keyed by source, compiler and CPU, and is reused;
+    # a compiler that fails raises with its command (native_moe() then warns and gives None).
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    path = cpu_native._build()
+    assert path.parent == tmp_path / "native" and path.exists()
+    mtime = path.stat().st_mtime_ns
+    assert cpu_native._build() == path and path.stat().st_mtime_ns == mtime
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false -O3"):
+        cpu_native._build()
+    assert not list((tmp_path / "other" / "native").glob("*.so"))

@@ -1,0 +1,206 @@
+"""The CPU experts' native kernel (cpu_moe.c): built at first use, called through ctypes.
+
+torch has no op that takes a list of experts: a decode step's routed experts are hundreds
+of one-thread FBGEMM products with a few us of dispatch each (cpu_matmul.Fp16Bank).
+cpu_moe.c runs a whole MoE layer's experts in one call on torch's OpenMP pool, each weight row
+read once for the tokens routed to its expert.
+
+Like Triton's launcher stubs, the kernel is compiled on the machine that runs it, by the C
+compiler there (cc -O3 -march=native -fopenmp: this CPU's vector width, AVX2 or AVX-512),
+into ~/.cache/freetoken/native (FREETOKEN_CACHE overrides the root), keyed by the source,
+the compiler and the CPU's flags. Where there is no compiler or the build fails, `native_moe()`
+is None and the experts keep their torch path (a warning says why, once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from triton_kernels.cpu_matmul import FP16_MAX
+
+log = logging.getLogger("freetoken.kernels")
+
+_SOURCE = Path(__file__).with_name("cpu_moe.c")
+_FORMATS = {torch.bfloat16: 0, torch.float16: 1}
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
+
+
+class NativeMoe:
+    """The loaded ft_moe entry point (see cpu_moe.c for its shapes)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        fn = lib.ft_moe
+        p, i64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        fn.argtypes = [p, p, p, p, i64, i64, p, p, p, p, i64, i64, i64,
+                       c_int, c_int, c_float, c_float, c_int, p, p]
+        fn.restype = c_int
+        self._fn = fn
+
+    @staticmethod
+    def handles(dtype: torch.dtype) -> bool:
+        return dtype in _FORMATS
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 slot_map: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None, activation: str = "silu",
+                 alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+        """x [T, D] (any float dtype) through the routed experts of w13 [S, 2I, D] and
+        w2 [S, D, I] (both bf16 or both fp16, contiguous, on the CPU) -> [T, D] float32,
+        on torch's thread count."""
+        t, d = x.shape
+        slots, width = w2.shape[0], w2.shape[2]
+        if not (w13.dtype == w2.dtype and self.handles(w13.dtype) and w13.is_contiguous()
+                and w2.is_contiguous() and w13.device.type == w2.device.type == "cpu"
+                and tuple(w13.shape) == (slots, 2 * width, d)
+                and tuple(w2.shape) == (slots, d, width)
+                and tuple(topk_ids.shape) == tuple(topk_weights.shape)
+                and topk_ids.shape[0] == t):
+            raise ValueError(f"native MoE: w13 [S, 2I, D] and w2 [S, D, I] in one 16-bit dtype "
+                             f"on the CPU and ids/weights [T, k] expected, got w13 "
+                             f"{tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, "
+                             f"x {tuple(x.shape)}, ids {tuple(topk_ids.shape)}")
+        out = torch.empty(t, d)
+        if not topk_ids.numel():
+            return out.zero_()
+        xf = x.float().contiguous()
+        ids = topk_ids.contiguous().long()
+        weights = topk_weights.float().contiguous()
+        smap = None if slot_map is None else slot_map.contiguous().long()
+        biases = [None if b is None else b.float().contiguous() for b in (b13, b2)]
+        act = torch.empty(ids.numel(), width)
+        rc = self._fn(xf.data_ptr(), ids.data_ptr(), 0 if smap is None else smap.data_ptr(),
+                      weights.data_ptr(), t, ids.shape[1], w13.data_ptr(), w2.data_ptr(),
+                      *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
+                      _FORMATS[w13.dtype], ACTIVATIONS[activation], alpha, limit,
+                      torch.get_num_threads(), act.data_ptr(), out.data_ptr())
+        if rc == -2:
+            raise ValueError(f"native MoE: an expert id maps outside the bank's {slots} slots")
+        if rc != 0:
+            raise MemoryError("native MoE: out of host memory for its routing tables")
+        return out
+
+
+class NativeBank:
+    """A bank of 16-bit experts [E, N, K] that the native kernel computes (only the CPU
+    computes them): the weights as they are, in bf16 or fp16, nothing repacked (a
+    checkpoint's bank is used in place). One MoE layer (64 experts, top-8, D 1024, I 256;
+    2-core EPYC, weights cold), native against the fp16-weight GEMM (cpu_matmul.Fp16Bank,
+    with its prefill split), ms: 1 token 0.46-0.51 / 0.85-1.0, 8 tokens 2.8 / 4.4-4.6,
+    64 tokens 11-13 / 15-26, 512 tokens 66-78 / 87-106 (bench/cpu_moe.py)."""
+
+    float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
+
+    def __init__(self, weight: torch.Tensor, kernel: NativeMoe):
+        if not (kernel.handles(weight.dtype) and weight.dim() == 3
+                and weight.device.type == "cpu"):
+            raise ValueError(f"NativeBank: a [E, N, K] bf16 or fp16 CPU bank expected, got "
+                             f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+        self.weight = weight.detach().contiguous()     # a parameter's tensor, not the parameter
+        self.kernel = kernel
+        self.experts, self.n, self.k = weight.shape
+        self.dtype = weight.dtype
+        self.nbytes = weight.numel() * 2
+
+    @classmethod
+    def decoded(cls, shape: tuple[int, int, int], decode, kernel: NativeMoe) -> NativeBank:
+        """A bank [E, N, K] from each expert's weight decoded from a quantized format (decode(e)
+        -> [N, K] float32, one expert at a time): float16 (11 bits of a decoded value from
+        2^-14 up; the tile decode keeps bf16's 8), or bfloat16 where an expert is beyond
+        float16's range."""
+        experts, n, k = shape
+        weight = torch.empty(experts, n, k, dtype=torch.float16)
+        for e in range(experts):
+            w = decode(e)
+            low, high = torch.aminmax(w)
+            if not bool((low >= -FP16_MAX) & (high <= FP16_MAX)):
+                weight = torch.empty(experts, n, k, dtype=torch.bfloat16)
+                for j in range(experts):
+                    weight[j].copy_(decode(j) if j != e else w)
+                break
+            weight[e].copy_(w)
+        return cls(weight, kernel)
+
+
+def moe_native(x, w13: NativeBank, w2: NativeBank, topk_weights, topk_ids, slot_map, b13, b2,
+               activation) -> torch.Tensor:
+    """fused_moe for two native banks: [T, D] in x's dtype (summed in float32, rounded once)."""
+    if not (isinstance(w2, NativeBank) and w2.kernel is w13.kernel and w2.dtype == w13.dtype):
+        raise ValueError(f"fused_moe: w13 and w2 must both be native banks of one kernel and "
+                         f"dtype, got {_describe(w13)} and {_describe(w2)}")
+    return w13.kernel(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, b13, b2,
+                      activation.kind, activation.alpha, activation.limit).to(x.dtype)
+
+
+@functools.cache
+def native_moe() -> NativeMoe | None:
+    """The built kernel, or None (no C compiler, a failed build, not x86/ARM Linux)."""
+    try:
+        path = _build()
+        return NativeMoe(ctypes.CDLL(str(path)), path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("CPU experts: the native kernel is not available (%s); they run on "
+                    "torch's one-thread products", exc)
+        return None
+
+
+def _compiler() -> str:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> Path:
+    if platform.system() != "Linux":
+        raise RuntimeError(f"built on Linux only, not {platform.system()}")
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
+    target = root / "native" / f"cpu_moe-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its target, then renamed: two processes building at once never load a
+    # half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+               "-o", str(built), str(_SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(built, target)
+    return target
+
+
+def _describe(w) -> str:
+    if isinstance(w, NativeBank):
+        return f"NativeBank [{w.experts}, {w.n}, {w.k}] {w.dtype}"
+    return f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))}"
