@@ -153,7 +153,7 @@ def unpacked_arm(model_dir, dtype, vocab, name="freetoken-unpacked") -> FreeToke
     from freetoken.models.layers.moe import ExpertBank
     pack, pack_experts = model_runner.pack_for_cpu, ExpertBank.pack_cpu
     model_runner.pack_for_cpu = lambda model: 0
-    ExpertBank.pack_cpu = lambda self, packed=None: 0
+    ExpertBank.pack_cpu = lambda self, *args, **kwargs: 0
     try:
         return FreeTokenArm(model_dir, dtype, vocab, name=name)
     finally:

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""One MoE layer on the CPU: bf16 experts (and their fp16-weight GEMM form, cpu_matmul.Fp16Bank,
-alone and with the CPU engine's CpuSplit) against each quantized format's CPU decode
+"""One MoE layer on the CPU: bf16 experts (and the forms of experts only the CPU computes: the
+native kernel's, cpu_native.NativeBank, and the fp16-weight GEMM's, cpu_matmul.Fp16Bank, alone
+and with the CPU engine's CpuSplit) against each quantized format's CPU decode
 (triton_kernels/dequant_cpu.py), the packed forms of experts only the CPU computes (INT4's for
-the int4 GEMM, int4_cpu.py; the others decoded once to fp16, Fp16Bank.decoded) and the
-float32 reference, in one run.
+the int4 GEMM, int4_cpu.py; the others decoded once to 16 bits, NativeBank.decoded, and
+Fp16Bank.decoded without the native kernel) and the float32 reference, in one run.
 
     python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
     python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
@@ -72,6 +73,10 @@ def main(argv=None) -> int:
     w2 = (torch.randn(e, d, i, generator=g) * i ** -0.5).bfloat16()
     arms = {"bf16": lambda x, w, ids: fused_moe_reference(x, w13, w2, w, ids)}
     split = tk.CpuSplit()           # the CPU engine's: calls of ~1 GFLOP and more on two cores
+    native = tk.native_moe()        # None without a C compiler
+    if native is not None:          # CPU-only experts' form where the kernel builds
+        n13, n2 = tk.NativeBank(w13, native), tk.NativeBank(w2, native)
+        arms["bf16 native"] = lambda x, w, ids: fused_moe_reference(x, n13, n2, w, ids)
     if tk.packable(w13) and tk.packable(w2):         # CPU-only experts' form (FBGEMM fp16)
         f13, f2 = tk.Fp16Bank(w13), tk.Fp16Bank(w2)
         arms["bf16 packed"] = lambda x, w, ids: fused_moe_reference(x, f13, f2, w, ids)
@@ -86,7 +91,15 @@ def main(argv=None) -> int:
             p13, p2 = tk.Int4Packed(fmt, q13), tk.Int4Packed(fmt, q2)   # CPU-only experts' form
             arms[f"{name} packed"] = (lambda x, w, ids, fmt=fmt, p13=p13, p2=p2:
                                       fused_moe_quant_cpu(x, fmt, p13, p2, w, ids))
-        else:       # the 16-bit CPU engine's form where RAM holds 2 bytes a weight (with its split)
+        else:       # the 16-bit CPU engine's forms where RAM holds 2 bytes a weight
+            if native is not None:
+                m13, m2 = (tk.NativeBank.decoded((e, n, kk), lambda j, q=q: (
+                               tk.dequantize_reference(fmt, {t: v[j] for t, v in q.items()},
+                                                       torch.float32)), native)
+                           for q, n, kk in ((q13, 2 * i, d), (q2, d, i)))
+                if m13.dtype == m2.dtype:
+                    arms[f"{name} native"] = (lambda x, w, ids, fmt=fmt, m13=m13, m2=m2:
+                                              fused_moe_quant_cpu(x, fmt, m13, m2, w, ids))
             d13, d2 = (tk.Fp16Bank.decoded((e, n, kk), torch.bfloat16, lambda j, q=q: (
                            tk.dequantize_reference(fmt, {t: v[j] for t, v in q.items()},
                                                    torch.float32)), split)

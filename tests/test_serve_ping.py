@@ -33,6 +33,7 @@ def test_pings_while_prefilling(server):
                                          "messages": [{"role": "user", "content": LONG}]})
     names = [name for name, _ in events]
     assert names[0] == "message_start" and names[-1] == "message_stop"
+    assert "ping" in names and "content_block_start" in names, events
     assert names.index("ping") < names.index("content_block_start"), names
     assert all(data == {"type": "ping"} for name, data in events if name == "ping")
     status, raw = server.request("POST", "/v1/chat/completions", {
