@@ -99,6 +99,8 @@ def test_native_moe_refuses_bad_input():
         kernel(c["x"], c["w13"], c["w2"], c["weights"], c["ids"] + 100)
     with pytest.raises(ValueError, match="outside"):
         kernel(c["x"], c["w13"], c["w2"], c["weights"], -c["ids"] - 1)
+    with pytest.raises(ValueError, match="outside the slot map"):      # 6 experts mapped
+        kernel(c["x"], c["w13"], c["w2"], c["weights"], c["ids"] + 6, c["slot_map"])
     with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):
         kernel(c["x"], c["w13"], c["w2"].half(), c["weights"], c["ids"], c["slot_map"])
     with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):

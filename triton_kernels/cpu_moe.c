@@ -11,7 +11,7 @@
  * used experts are shared among the threads.
  *
  * Shapes (P = T * k (token, expert) pairs, S slots in the banks, D hidden, I expert width):
- *   x [T, D] f32, ids [T, k] i64 (expert ids; slot_map [E] i64 maps them to slots, or NULL),
+ *   x [T, D] f32, ids [T, k] i64 (expert ids; slot_map [n_map] i64 maps them to slots, or NULL),
  *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] 16-bit (fmt: 0 bf16, 1 fp16), rows
  *   [0, I) of w13 the gate and [I, 2I) the up; b13 [S, 2I] and b2 [S, D] f32 or NULL;
  *   act [P, I] f32 scratch; out [T, D] f32; threads: the team (the caller's torch thread count).
@@ -219,7 +219,8 @@ static int64_t item_rows(int64_t rows, int64_t threads) {
     return r < 16 ? 16 : r > ROWS ? ROWS : r;
 }
 
-int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, const float *wts,
+int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
+           const float *wts,
            int64_t t_count, int64_t k_count, const uint16_t *w13, const uint16_t *w2,
            const float *b13, const float *b2, int64_t slots, int64_t d, int64_t width,
            int fmt, int kind, float alpha, float limit, int threads, float *act, float *out) {
@@ -233,6 +234,10 @@ int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, const fl
         return -1;
     }
     for (int64_t p = 0; p < pairs; p++) {
+        if (slot_map && (ids[p] < 0 || ids[p] >= n_map)) {
+            free(start), free(order), free(used);
+            return -2;
+        }
         int64_t s = slot_map ? slot_map[ids[p]] : ids[p];
         if (s < 0 || s >= slots) {
             free(start), free(order), free(used);
@@ -287,7 +292,7 @@ int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, const fl
             for (int64_t t = 0; t < t_count; t++)
                 permute_row(x + t * d, xp + t * d, d);
         }                                   /* (the for's implicit barrier) */
-        /* Up: item = (used expert, ROWS gate rows and their up rows). */
+        /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
             int64_t item = __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
             if (item >= n_used * i_blocks)
@@ -329,7 +334,7 @@ int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, const fl
             }
         }
 #pragma omp barrier
-        /* Down: item = ROWS output rows of every token, summed over its experts by slot. */
+        /* Down: item = down_rows output rows of every token, summed over its experts by slot. */
         for (;;) {
             int64_t item = __atomic_fetch_add(&next_down, 1, __ATOMIC_RELAXED);
             if (item >= d_blocks)

@@ -43,7 +43,7 @@ class NativeMoe:
         self.path = path
         fn = lib.ft_moe
         p, i64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        fn.argtypes = [p, p, p, p, i64, i64, p, p, p, p, i64, i64, i64,
+        fn.argtypes = [p, p, p, i64, p, i64, i64, p, p, p, p, i64, i64, i64,
                        c_int, c_int, c_float, c_float, c_int, p, p]
         fn.restype = c_int
         self._fn = fn
@@ -82,12 +82,13 @@ class NativeMoe:
         biases = [None if b is None else b.float().contiguous() for b in (b13, b2)]
         act = torch.empty(ids.numel(), width)
         rc = self._fn(xf.data_ptr(), ids.data_ptr(), 0 if smap is None else smap.data_ptr(),
-                      weights.data_ptr(), t, ids.shape[1], w13.data_ptr(), w2.data_ptr(),
+                      0 if smap is None else smap.numel(), weights.data_ptr(), t, ids.shape[1], w13.data_ptr(), w2.data_ptr(),
                       *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
                       _FORMATS[w13.dtype], ACTIVATIONS[activation], alpha, limit,
                       torch.get_num_threads(), act.data_ptr(), out.data_ptr())
         if rc == -2:
-            raise ValueError(f"native MoE: an expert id maps outside the bank's {slots} slots")
+            raise ValueError(f"native MoE: an expert id is outside the slot map or maps outside "
+                             f"the bank's {slots} slots")
         if rc != 0:
             raise MemoryError("native MoE: out of host memory for its routing tables")
         return out
