@@ -348,3 +348,27 @@ def test_launched_configurations_compared(tmp_path, model_dir):
         port = int(arm["describe"]["url"].rsplit(":", 1)[1])
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_client_stream_times_out_and_a_cancel_stops_it():
+    # A server that accepts and never answers: the stream gives up at its timeout with the
+    # reason; cancelled as it waits (a Ctrl-C), it raises CancelledError rather than going on.
+    bench_cli.load_harness()
+    from bench.harness import client
+
+    async def main():
+        async def silent(reader, writer):
+            await asyncio.sleep(30)
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        ep = client.Endpoint("http", "127.0.0.1", server.sockets[0].getsockname()[1])
+        try:
+            res = await client.stream(ep, "chat", {"messages": []}, None, 0.2)
+            assert res.error == "timed out after 0.2s" and res.t_end >= res.t_start
+            task = asyncio.create_task(client.stream(ep, "chat", {"messages": []}, None, 30))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            server.close()
+    asyncio.run(main())

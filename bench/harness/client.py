@@ -75,7 +75,13 @@ def get_json(base: str, path: str, api_key: str | None, timeout: float = 10.0) -
 async def stream(ep: Endpoint, api: str, body: dict, api_key: str | None, timeout: float) -> StreamResult:
     result = StreamResult(t_start=time.perf_counter(), t_start_unix=time.time())
     try:
-        await asyncio.wait_for(_stream(ep, PATHS[api], body, api_key, result), timeout)
+        if hasattr(asyncio, "timeout"):
+            # 3.11+: wait_for there can swallow a cancellation that lands as the stream ends
+            # (the task's result wins), so a Ctrl-C then never stopped the run.
+            async with asyncio.timeout(timeout):
+                await _stream(ep, PATHS[api], body, api_key, result)
+        else:
+            await asyncio.wait_for(_stream(ep, PATHS[api], body, api_key, result), timeout)
     except asyncio.TimeoutError:
         result.error = f"timed out after {timeout:g}s"
     except (OSError, ValueError, IndexError) as e:
