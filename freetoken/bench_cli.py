@@ -17,7 +17,9 @@ only defines flags (argparse, cheap to import); the harness loads when the comma
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
+import io
 import re
 import signal
 import sys
@@ -164,6 +166,13 @@ def run(args) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:     # SIGTERM ends a run as Ctrl-C does: INCOMPLETE, with what it observed
         previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        # `kill -USR1` prints every thread's stack to stderr (a run that seems stuck);
+        # not where stderr is no file (a caller capturing it in-process)
+        try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+            dumps = True
+        except (io.UnsupportedOperation, AttributeError, ValueError):
+            dumps = False
     try:
         pre = h["preflight"].run_preflight(manifest, workloads, arms, protocol, args.varies, args.timeout)
         if args.dry_run:
@@ -181,6 +190,8 @@ def run(args) -> int:
             arm.close()         # launched servers stop whatever happened
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+            if dumps:
+                faulthandler.unregister(signal.SIGUSR1)
     verdict = record["verdict"]
     print(f"{verdict['status']}, {verdict['validity']}: {verdict['observed_generations']} of "
           f"{verdict['expected_generations']} generations; artifacts in {out}")
