@@ -124,7 +124,8 @@ class ExpertLayout:
         None where neither applies. spare_bytes: unused (neither takes more bytes)."""
         kernel = self._native(bank)
         if kernel is not None:
-            return {name: tk.NativeBank(t, kernel) if name in ("w13", "w2") else t
+            # biases in float32 once here, not widened at every call (the kernel's dtype)
+            return {name: tk.NativeBank(t, kernel) if name in ("w13", "w2") else t.float()
                     for name, t in bank.items()}
         if not all(isinstance(bank[w], torch.Tensor) and tk.packable(bank[w])
                    for w in ("w13", "w2")):

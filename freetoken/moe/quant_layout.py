@@ -150,6 +150,8 @@ class QuantExpertLayout(ExpertLayout):
                 packed[which] = tk.Fp16Bank.decoded((experts, n, k), self.dtype, decode, split)
                 if packed[which] is None:
                     return None
+        if kernel is not None:          # the kernel's biases in float32, once
+            biases = {name: t.float() for name, t in biases.items()}
         if kernel is not None and packed["w13"].dtype != packed["w2"].dtype:
             # one bank beyond float16's range went to bfloat16: the kernel takes one dtype
             packed = {which: tk.NativeBank(b.weight.to(torch.bfloat16), kernel)
