@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     w2 = (torch.randn(e, d, i, generator=g) * i ** -0.5).bfloat16()
     arms = {"bf16": lambda x, w, ids: fused_moe_reference(x, w13, w2, w, ids)}
     split = tk.CpuSplit()           # the CPU engine's: calls of ~1 GFLOP and more on two cores
-    native = tk.native_moe()        # None without a C compiler
+    native = tk.native_kernels()        # None without a C compiler
     if native is not None:          # CPU-only experts' form where the kernel builds
         n13, n2 = tk.NativeBank(w13, native), tk.NativeBank(w2, native)
         arms["bf16 native"] = lambda x, w, ids: fused_moe_reference(x, n13, n2, w, ids)

@@ -167,7 +167,7 @@ def test_cpu_engine_packs_its_projections(tiny_model_dir):  # noqa: F811
                           (a.q_proj, a.k_proj, a.v_proj)):
         assert torch.equal(part, tk.Fp16Weight(proj.weight, proj.bias)(x))
     banks = [b.experts for b in model.moe_blocks().values()]
-    cpu_bank = tk.NativeBank if tk.native_moe() else tk.Fp16Bank
+    cpu_bank = tk.NativeBank if tk.native_kernels() else tk.Fp16Bank
     assert banks and all(isinstance(b.bank()["w13"], cpu_bank) and not hasattr(b, "w13")
                          for b in banks)
     gates = [b.gate for b in model.moe_blocks().values()]     # the routers, packed too
@@ -214,10 +214,10 @@ def test_experts_only_the_cpu_computes_are_packed(bf16_moe_model, monkeypatch, n
     # follow the float32 engine's.
     import freetoken.engine.model_runner as mr
     from freetoken import LLM
-    if native and tk.native_moe() is None:
+    if native and tk.native_kernels() is None:
         pytest.skip("no C compiler: the native kernel is not built")
     if not native:
-        monkeypatch.setattr(tk, "native_moe", lambda: None)
+        monkeypatch.setattr(tk, "native_kernels", lambda: None)
     cpu_bank = tk.NativeBank if native else tk.Fp16Bank
     prompt = [5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2]
     want = LLM(bf16_moe_model, skip_tokenizer_init=True, dtype="float32").logits(prompt)

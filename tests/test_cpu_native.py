@@ -11,7 +11,7 @@ from tiny_fixtures import biased_experts
 from triton_kernels import cpu_native
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
 
-pytestmark = pytest.mark.skipif(tk.native_moe() is None,
+pytestmark = pytest.mark.skipif(tk.native_kernels() is None,
                                 reason="no C compiler: the native kernel is not built")
 
 
@@ -42,18 +42,18 @@ def test_native_moe_matches_the_float32_reference(d, i, dtype, activation, threa
     # Token counts 1 (decode), 3 (a partial token block), 9 and 40 (several experts with
     # 4 tokens and more: the 4-row tiles, and their remainders); slots mapped, biases on.
     threads(2)
-    kernel = tk.native_moe()
+    kernel = tk.native_kernels()
     for t in (1, 3, 9, 40):
         c = biased_experts(seed=t, t=t, d=d, i=i, e=6, k=2, pool=9)
         w13, w2 = c["w13"].to(dtype), c["w2"].to(dtype)
         want = reference(c, activation, dtype)
-        got = kernel(c["x"], w13, w2, c["weights"], c["ids"], c["slot_map"], c["b13"],
+        got = kernel.moe(c["x"], w13, w2, c["weights"], c["ids"], c["slot_map"], c["b13"],
                      c["b2"], activation.kind, activation.alpha, activation.limit)
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert rel(got, want) < 1e-5, (t, rel(got, want))
         # Without biases and slot map (ids index the bank directly).
         ids = c["slot_map"][c["ids"]]
-        plain = kernel(c["x"], w13, w2, c["weights"], ids)
+        plain = kernel.moe(c["x"], w13, w2, c["weights"], ids)
         want = fused_moe_reference(c["x"].float(), w13.float(), w2.float(), c["weights"], ids)
         assert rel(plain, want) < 1e-5
 
@@ -61,11 +61,11 @@ def test_native_moe_matches_the_float32_reference(d, i, dtype, activation, threa
 def test_native_moe_gives_the_same_bits_on_any_thread_count(threads):
     # Each output is summed in one fixed order whoever computes it.
     c = biased_experts(seed=5, t=24, d=64, i=32, e=6, k=3, pool=9)
-    kernel = tk.native_moe()
+    kernel = tk.native_kernels()
     outs = []
     for n in (1, 2, 3):
         threads(n)
-        outs.append(kernel(c["x"], c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"],
+        outs.append(kernel.moe(c["x"], c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"],
                            c["b13"], c["b2"]))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
@@ -74,7 +74,7 @@ def test_native_banks_through_fused_moe():
     # fused_moe (and its reference) hand two native banks to the kernel: x's dtype back,
     # float32 inside; an empty routing gives zeros; mixed or foreign banks are refused.
     c = biased_experts(seed=2, t=5, d=64, i=32)
-    kernel = tk.native_moe()
+    kernel = tk.native_kernels()
     b13, b2 = tk.NativeBank(c["w13"], kernel), tk.NativeBank(c["w2"], kernel)
     assert (b13.experts, b13.n, b13.k, b13.nbytes) == (9, 64, 64, 9 * 64 * 64 * 2)
     got = tk.fused_moe(c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"],
@@ -94,23 +94,23 @@ def test_native_banks_through_fused_moe():
 
 def test_native_moe_refuses_bad_input():
     c = biased_experts(seed=3, t=4, d=64, i=32)
-    kernel = tk.native_moe()
+    kernel = tk.native_kernels()
     with pytest.raises(ValueError, match="outside the bank's 9 slots"):
-        kernel(c["x"], c["w13"], c["w2"], c["weights"], c["ids"] + 100)
+        kernel.moe(c["x"], c["w13"], c["w2"], c["weights"], c["ids"] + 100)
     with pytest.raises(ValueError, match="outside"):
-        kernel(c["x"], c["w13"], c["w2"], c["weights"], -c["ids"] - 1)
+        kernel.moe(c["x"], c["w13"], c["w2"], c["weights"], -c["ids"] - 1)
     with pytest.raises(ValueError, match="outside the slot map"):      # 6 experts mapped
-        kernel(c["x"], c["w13"], c["w2"], c["weights"], c["ids"] + 6, c["slot_map"])
+        kernel.moe(c["x"], c["w13"], c["w2"], c["weights"], c["ids"] + 6, c["slot_map"])
     with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):
-        kernel(c["x"], c["w13"], c["w2"].half(), c["weights"], c["ids"], c["slot_map"])
+        kernel.moe(c["x"], c["w13"], c["w2"].half(), c["weights"], c["ids"], c["slot_map"])
     with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):
-        kernel(c["x"][:, :32], c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"])
+        kernel.moe(c["x"][:, :32], c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"])
     with pytest.raises(ValueError, match=r"w13 \[S, 2I, D\]"):
-        kernel(c["x"], c["w13"], c["w2"], c["weights"][:2], c["ids"], c["slot_map"])
+        kernel.moe(c["x"], c["w13"], c["w2"], c["weights"][:2], c["ids"], c["slot_map"])
 
 
 def test_decoded_bank_keeps_float16_or_falls_back_to_bfloat16():
-    kernel = tk.native_moe()
+    kernel = tk.native_kernels()
     small = [torch.randn(8, 32) for _ in range(3)]
     bank = tk.NativeBank.decoded((3, 8, 32), lambda e: small[e], kernel)
     assert bank.dtype == torch.float16
@@ -124,7 +124,7 @@ def test_decoded_bank_keeps_float16_or_falls_back_to_bfloat16():
 
 def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
     # The library lands in FREETOKEN_CACHE, keyed by source, compiler and CPU, and is reused;
-    # a compiler that fails raises with its command (native_moe() then warns and gives None).
+    # a compiler that fails raises with its command (native_kernels() then warns and gives None).
     monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
     path = cpu_native._build()
     assert path.parent == tmp_path / "native" and path.exists()

@@ -1,15 +1,18 @@
-"""The CPU experts' native kernel (cpu_moe.c): built at first use, called through ctypes.
+"""The CPU's native kernels (cpu_moe.c, cpu_linear.c, sharing cpu_dot.h): built at first use,
+called through ctypes.
 
 torch has no op that takes a list of experts: a decode step's routed experts are hundreds
 of one-thread FBGEMM products with a few us of dispatch each (cpu_matmul.Fp16Bank).
 cpu_moe.c runs a whole MoE layer's experts in one call on torch's OpenMP pool, each weight row
-read once for the tokens routed to its expert.
+read once for the tokens routed to its expert. cpu_linear.c is a dense projection of a few
+rows (decode) from the 16-bit weight as it is (cpu_linear.CpuLinear uses it).
 
 Like Triton's launcher stubs, the kernel is compiled on the machine that runs it, by the C
 compiler there (cc -O3 -march=native -fopenmp: this CPU's vector width, AVX2 or AVX-512),
-into ~/.cache/freetoken/native (FREETOKEN_CACHE overrides the root), keyed by the source,
-the compiler and the CPU's flags. Where there is no compiler or the build fails, `native_moe()`
-is None and the experts keep their torch path (a warning says why, once).
+into ~/.cache/freetoken/native (FREETOKEN_CACHE overrides the root), keyed by the sources,
+the compiler and the CPU's flags. Where there is no compiler or the build fails,
+`native_kernels()` is None and the experts and projections keep their torch paths (a warning
+says why, once).
 """
 
 from __future__ import annotations
@@ -31,28 +34,35 @@ from triton_kernels.cpu_matmul import FP16_MAX
 
 log = logging.getLogger("freetoken.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_moe.c")
+_HERE = Path(__file__).parent
+_SOURCES = ("cpu_moe.c", "cpu_linear.c")        # compiled together into one library
+_HEADERS = ("cpu_dot.h",)
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
+_IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
 
-class NativeMoe:
-    """The loaded ft_moe entry point (see cpu_moe.c for its shapes)."""
+class NativeKernels:
+    """The loaded library: `moe` (ft_moe, cpu_moe.c) and `linear` (ft_linear, cpu_linear.c)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
-        fn = lib.ft_moe
         p, i64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        fn = lib.ft_moe
         fn.argtypes = [p, p, p, i64, p, i64, i64, p, p, p, p, i64, i64, i64,
                        c_int, c_int, c_float, c_float, c_int, p, p]
         fn.restype = c_int
-        self._fn = fn
+        self._moe = fn
+        fn = lib.ft_linear
+        fn.argtypes = [p, c_int, i64, p, c_int, p, i64, i64, p, c_int, c_int]
+        fn.restype = c_int
+        self._linear = fn
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
         return dtype in _FORMATS
 
-    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    def moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  slot_map: torch.Tensor | None = None, b13: torch.Tensor | None = None,
                  b2: torch.Tensor | None = None, activation: str = "silu",
@@ -81,7 +91,7 @@ class NativeMoe:
         smap = None if slot_map is None else slot_map.contiguous().long()
         biases = [None if b is None else b.float().contiguous() for b in (b13, b2)]
         act = torch.empty(ids.numel(), width)
-        rc = self._fn(xf.data_ptr(), ids.data_ptr(), 0 if smap is None else smap.data_ptr(),
+        rc = self._moe(xf.data_ptr(), ids.data_ptr(), 0 if smap is None else smap.data_ptr(),
                       0 if smap is None else smap.numel(), weights.data_ptr(), t, ids.shape[1], w13.data_ptr(), w2.data_ptr(),
                       *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
                       _FORMATS[w13.dtype], ACTIVATIONS[activation], alpha, limit,
@@ -93,18 +103,45 @@ class NativeMoe:
             raise MemoryError("native MoE: out of host memory for its routing tables")
         return out
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] (bf16, fp16 or float32) @ weight [N, K]^T (bf16 or fp16, contiguous) + bias
+        ([N] float32 or None) -> [T, N] in x's dtype, summed in float32 and rounded once, on
+        torch's thread count."""
+        n, k = weight.shape
+        if not (self.handles(weight.dtype) and weight.is_contiguous() and x.dim() == 2
+                and x.shape[1] == k and x.dtype in _IO_FORMATS
+                and x.device.type == weight.device.type == "cpu"
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
+                                      and bias.is_contiguous()))):
+            raise ValueError(f"native linear: x [T, {k}] and a contiguous 16-bit weight "
+                             f"[N, K] on the CPU (bias [N] float32) expected, got x "
+                             f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                             f"{weight.dtype}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        rc = self._linear(x.data_ptr(), _IO_FORMATS[x.dtype], x.shape[0], weight.data_ptr(),
+                          _FORMATS[weight.dtype], 0 if bias is None else bias.data_ptr(), n, k,
+                          out.data_ptr(), _IO_FORMATS[x.dtype], torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("native linear: out of host memory for x's float32 copy")
+        return out
+
 
 class NativeBank:
     """A bank of 16-bit experts [E, N, K] that the native kernel computes (only the CPU
     computes them): the weights as they are, in bf16 or fp16, nothing repacked (a
-    checkpoint's bank is used in place). One MoE layer (64 experts, top-8, D 1024, I 256;
+    checkpoint's bank is used in place). gemm: a bf16 bank on a CPU with AMX-BF16 (amx;
+    default: this one's), where fused_moe hands a call of GEMM_ROWS rows an expert and more
+    (a prefill chunk) to torch's bf16 products, an expert at a time: at 64 rows oneDNN's AMX
+    kernels run 10x the native kernel's FLOP rate. One MoE layer (64 experts, top-8, D 1024, I 256;
     2-core EPYC, weights cold), native against the fp16-weight GEMM (cpu_matmul.Fp16Bank,
     with its prefill split), ms: 1 token 0.46-0.51 / 0.85-1.0, 8 tokens 2.8 / 4.4-4.6,
     64 tokens 11-13 / 15-26, 512 tokens 66-78 / 87-106 (bench/cpu_moe.py)."""
 
     float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
 
-    def __init__(self, weight: torch.Tensor, kernel: NativeMoe):
+    def __init__(self, weight: torch.Tensor, kernel: NativeKernels, amx: bool | None = None):
         if not (kernel.handles(weight.dtype) and weight.dim() == 3
                 and weight.device.type == "cpu"):
             raise ValueError(f"NativeBank: a [E, N, K] bf16 or fp16 CPU bank expected, got "
@@ -114,9 +151,10 @@ class NativeBank:
         self.experts, self.n, self.k = weight.shape
         self.dtype = weight.dtype
         self.nbytes = weight.numel() * 2
+        self.gemm = (has_amx_bf16() if amx is None else amx) and self.dtype == torch.bfloat16
 
     @classmethod
-    def decoded(cls, shape: tuple[int, int, int], decode, kernel: NativeMoe) -> NativeBank:
+    def decoded(cls, shape: tuple[int, int, int], decode, kernel: NativeKernels) -> NativeBank:
         """A bank [E, N, K] from each expert's weight decoded from a quantized format (decode(e)
         -> [N, K] float32, one expert at a time): float16 (11 bits of a decoded value from
         2^-14 up; the tile decode keeps bf16's 8), or bfloat16 where an expert is beyond
@@ -141,19 +179,19 @@ def moe_native(x, w13: NativeBank, w2: NativeBank, topk_weights, topk_ids, slot_
     if not (isinstance(w2, NativeBank) and w2.kernel is w13.kernel and w2.dtype == w13.dtype):
         raise ValueError(f"fused_moe: w13 and w2 must both be native banks of one kernel and "
                          f"dtype, got {_describe(w13)} and {_describe(w2)}")
-    return w13.kernel(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, b13, b2,
+    return w13.kernel.moe(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, b13, b2,
                       activation.kind, activation.alpha, activation.limit).to(x.dtype)
 
 
 @functools.cache
-def native_moe() -> NativeMoe | None:
-    """The built kernel, or None (no C compiler, a failed build, not x86/ARM Linux)."""
+def native_kernels() -> NativeKernels | None:
+    """The built library, or None (no C compiler, a failed build, not Linux)."""
     try:
         path = _build()
-        return NativeMoe(ctypes.CDLL(str(path)), path)
+        return NativeKernels(ctypes.CDLL(str(path)), path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU experts: the native kernel is not available (%s); they run on "
-                    "torch's one-thread products", exc)
+        log.warning("CPU: the native kernels are not available (%s); the experts run on "
+                    "torch's one-thread products, projections on torch's", exc)
         return None
 
 
@@ -164,7 +202,14 @@ def _compiler() -> str:
     raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16, which torch's bf16 matmul (oneDNN) runs on: from about
+    8 rows a product there outruns every other CPU form (cpu_linear.py has the figures)."""
+    return " amx_bf16" in cpu_flags()
+
+
+def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -181,8 +226,8 @@ def _build() -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    sources = b"".join((_HERE / name).read_bytes() for name in _SOURCES + _HEADERS)
+    key = hashlib.sha256(sources + version.encode() + cpu_flags().encode()).hexdigest()[:16]
     root = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
     target = root / "native" / f"cpu_moe-{key}.so"
     if target.exists():
@@ -193,7 +238,7 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-               "-o", str(built), str(_SOURCE), "-lm"]
+               "-o", str(built), *(str(_HERE / name) for name in _SOURCES), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
+from triton_kernels.cpu_linear import GEMM_ROWS
 from triton_kernels.cpu_native import NativeBank, moe_native
 from triton_kernels.moe_align import moe_align
 
@@ -73,6 +74,12 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
     if isinstance(w13, NativeBank):     # experts only the CPU computes, by the native kernel
+        if w13.gemm and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS:
+            # A prefill chunk on an AMX CPU: torch's bf16 products an expert at a time (HF's
+            # loop, and its bits), the banks' float32 biases in x's dtype as HF keeps them.
+            biases = [None if b is None else b.to(x.dtype) for b in (b13, b2)]
+            return _moe_loop_torch(x, w13.weight, w2.weight, topk_weights, topk_ids,
+                                   slot_map, *biases, activation)
         return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, Fp16Bank):       # experts only the CPU computes, packed for its GEMM
         _check_packed(x, w13, w2)
@@ -109,6 +116,14 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if aligned and not exact_per_expert and 2 * used.numel() >= int(used[-1] - used[0]) + 1:
         run = _moe_grouped_torch
     return run(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
+
+
+def _rows_per_expert(topk_ids, slot_map) -> float:
+    """The mean (token, k) pairs of a used expert."""
+    if topk_ids.shape[0] < GEMM_ROWS:          # fewer tokens: never that many
+        return float(topk_ids.shape[0])
+    used = (topk_ids if slot_map is None else slot_map[topk_ids]).unique()
+    return topk_ids.numel() / max(1, used.numel())
 
 
 def _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation,

@@ -105,8 +105,8 @@ class ExpertLayout:
         return self._native(bank) is not None
 
     @staticmethod
-    def _native(bank: dict) -> tk.NativeMoe | None:
-        kernel = tk.native_moe()
+    def _native(bank: dict) -> tk.NativeKernels | None:
+        kernel = tk.native_kernels()
         if kernel is None or not all(
                 isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
                 and kernel.handles(t.dtype) for t in (bank.get("w13"), bank.get("w2"))):

@@ -136,7 +136,7 @@ class QuantExpertLayout(ExpertLayout):
         shapes = {which: weight_shape(self.fmt, w) for which, w in (("w13", w13), ("w2", w2))}
         if spare_bytes < sum(2 * lead[0] * n * k for lead, n, k in shapes.values()):
             return None                                         # 2 bytes a weight
-        kernel = tk.native_moe()
+        kernel = tk.native_kernels()
         packed = {}
         for which, w in (("w13", w13), ("w2", w2)):
             (experts,), n, k = shapes[which]

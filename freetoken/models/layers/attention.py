@@ -70,13 +70,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.num_heads * hd, cfg.rms_norm_eps, off)
             self.k_norm = RMSNorm(self.num_kv_heads * hd, cfg.rms_norm_eps, off)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.sinks else None
-        self.qkv_packed: tk.Fp16Weight | None = None
+        self.qkv_packed: tk.CpuLinear | None = None
         self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
 
     def pack_cpu(self) -> int:
-        """CPU engine: q, k and v packed as one fp16-weight product [(Hq' + 2Hk)*Dh, D] (one
-        GEMV and one pair of dtype copies a layer instead of three). Returns its bytes (0:
-        they are packed alone, or not at all)."""
+        """CPU engine: q, k and v as one product [(Hq' + 2Hk)*Dh, D] (linear.pack_fused: one
+        GEMV a layer instead of three). Returns its bytes (0: they are packed alone, or not
+        at all)."""
         self.qkv_packed = pack_fused([self.q_proj, self.k_proj, self.v_proj])
         return 0 if self.qkv_packed is None else self.qkv_packed.nbytes
 

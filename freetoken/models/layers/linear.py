@@ -30,20 +30,20 @@ from triton_kernels.dequant import QuantFormat
 class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.packed: tk.Fp16Weight | None = None
+        self.packed: tk.CpuLinear | None = None
 
     def cpu_dense(self) -> torch.Tensor | None:
-        """The weight the fp16-weight GEMM would take (None: it cannot)."""
-        return self.weight if tk.packable(self.weight) else None
+        """The 16-bit weight a CPU engine's product takes (None: not one)."""
+        return self.weight if self.weight.dtype in (torch.bfloat16, torch.float16) else None
 
     def pack_cpu(self) -> int:
-        """Keep a copy of the 16-bit weight packed for the CPU's fp16-weight GEMM (the weight
-        stays: tied embeddings and MLA's folded kv_b_proj read it). Returns the copy's
-        bytes."""
+        """Multiply through the CPU engine's product for the weight (cpu_linear.py: the native
+        GEMV for a few rows, AMX or FBGEMM's GEMM for more; the weight stays: tied embeddings
+        and MLA's folded kv_b_proj read it). Returns the bytes it added."""
         if (dense := self.cpu_dense()) is None:
             return 0
-        self.packed = tk.Fp16Weight(dense, self.bias)
-        return self.packed.nbytes
+        self.packed = tk.cpu_linear(dense, self.bias)
+        return 0 if self.packed is None else self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -52,10 +52,10 @@ class Linear(nn.Linear):
 
 
 def pack_for_cpu(model: nn.Module) -> int:
-    """A model that runs on the CPU in 16 bits: every Linear and MoE router gains an
-    fp16-packed copy of its weight (triton_kernels/cpu_matmul.py: 1.6-2.7x torch's bf16
-    product at 1 row, 1.4-5x from 2 rows), every QuantLinear one the CPU multiplies fast
-    (pack_cpu).
+    """A model that runs on the CPU in 16 bits: every Linear and MoE router multiplies
+    through triton_kernels.CpuLinear (the native GEMV below 8 rows, 2-2.5x torch's bf16
+    product at one row; AMX's bf16 GEMM or FBGEMM's fp16 one from there), every QuantLinear
+    through a copy the CPU multiplies fast (pack_cpu).
     - A module that runs several projections of one input as one product (Attention: q, k
       and v) names them in `cpu_fused` and packs them together in its own pack_cpu (see
       pack_fused); where it does, they are not packed alone.
@@ -72,16 +72,19 @@ def pack_for_cpu(model: nn.Module) -> int:
                        if isinstance(m, (Linear, QuantLinear, Router)) and id(m) not in skip)
 
 
-def pack_fused(projs) -> tk.Fp16Weight | None:
-    """Projections of one input ([N_i, K] each) as one packed product [sum N_i, K] (one GEMV
-    and one pair of dtype copies instead of one each; the outputs are its column slices), or
-    None where one of them has no 16-bit form or the biases differ in kind."""
+def pack_fused(projs) -> tk.CpuLinear | None:
+    """Projections of one input ([N_i, K] each) as one product [sum N_i, K] (one GEMV and one
+    call instead of one each; the outputs are its column slices), or None where one of them
+    has no 16-bit form or the biases differ in kind. The weights are concatenated in their
+    dtype where they share one (2 bytes a weight more), else in float32 for a float16 copy."""
     dense = [p.cpu_dense() for p in projs]
     biases = [p.bias for p in projs]
     if any(d is None for d in dense) or len({b is None for b in biases}) != 1:
         return None
     bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
-    return tk.Fp16Weight(torch.cat([d.float() for d in dense]), bias)
+    dtypes = {d.dtype for d in dense}
+    fused = torch.cat([d if len(dtypes) == 1 else d.float() for d in dense])
+    return tk.cpu_linear(fused, bias, own_weight=True)
 
 
 class QuantLinear(nn.Module):
@@ -96,7 +99,7 @@ class QuantLinear(nn.Module):
                                                          requires_grad=False))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-        self.packed: tk.Int4Packed | tk.Fp16Weight | None = None
+        self.packed: tk.Int4Packed | tk.CpuLinear | None = None
 
     def pack_cpu(self) -> int:
         """A quantized weight on the CPU, in 16 bits: keep a copy the CPU multiplies fast (the
@@ -104,8 +107,8 @@ class QuantLinear(nn.Module):
         - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py), as many
           bytes.
         - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
-          GEMM for: decoded once in float32 and packed for the fp16-weight GEMM
-          (cpu_matmul.Fp16Weight), 2 bytes a weight, instead of decoded at every call
+          GEMM for: decoded once into float16 for the CPU's products (cpu_linear.CpuLinear:
+          the native GEMV, FBGEMM's fp16 GEMM), 2-4 bytes a weight, instead of decoded at every call
           (dequant_cpu.py: 3-8x a bf16 product; an fp8 CPU engine's decode steps ran at 0.28x
           the bf16 model's). float16 keeps 11 bits of a decoded value from 2^-14 up (bf16's
           reference 8; below, an absolute 2^-25 at most); a weight beyond float16's range
@@ -117,18 +120,17 @@ class QuantLinear(nn.Module):
             return self.packed.nbytes
         if (dense := self.cpu_dense()) is None:
             return 0
-        self.packed = tk.Fp16Weight(dense, self.bias)
-        return self.packed.nbytes
+        self.packed = tk.cpu_linear(dense, self.bias)
+        return 0 if self.packed is None else self.packed.nbytes
 
     def cpu_dense(self) -> torch.Tensor | None:
-        """The decoded weight in float32 the fp16-weight GEMM would take, None where it
-        takes none: INT4 for the int4 GEMM, a float32 model (it keeps the reference's exact
-        decode), a weight beyond float16's range."""
+        """The decoded weight in float32 a CPU engine's product takes (cpu_linear decides its
+        copy), None where it takes none: INT4 for the int4 GEMM, a float32 model (it keeps
+        the reference's exact decode)."""
         w = self.weight_dict()
         if self.dtype == torch.float32 or tk.packable_int4(self.fmt, w, self.dtype):
             return None
-        dense = tk.dequantize_reference(self.fmt, w, torch.float32)
-        return dense if tk.packable(dense, decoded=True) else None
+        return tk.dequantize_reference(self.fmt, w, torch.float32)
 
     def weight_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.names}
@@ -140,7 +142,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if isinstance(self.packed, tk.Fp16Weight):           # the bias inside, in float32
+        if isinstance(self.packed, tk.CpuLinear):            # the bias inside
             return self.packed(x)
         if self.packed is not None:
             y = self.packed.linear(x.reshape(-1, shape[-1]))

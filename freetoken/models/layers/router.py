@@ -61,17 +61,17 @@ class Router(nn.Module):
         self.e_score_correction_bias = (nn.Parameter(torch.empty(cfg.num_experts))
                                         if cfg.selection_bias else None)
 
-        self.packed: tk.Fp16Weight | None = None
+        self.packed: tk.CpuLinear | None = None
 
     def pack_cpu(self) -> int:
-        """On a CPU engine in 16 bits: the gate's weight packed for the fp16-weight GEMM (a
+        """On a CPU engine in 16 bits: the gate through the CPU's product (cpu_linear.py; a
         bf16 [64, 1024] product cost ~100 us a layer, 1/20 of a decode step; packed, ~10).
         The logits are still rounded to x's dtype, as F.linear's. A float32 router keeps
-        its exact product. Returns the copy's bytes."""
-        if self.cfg.float32 or not tk.packable(self.weight):
+        its exact product. Returns the bytes it added."""
+        if self.cfg.float32 or self.weight.dtype not in (torch.bfloat16, torch.float16):
             return 0
-        self.packed = tk.Fp16Weight(self.weight, self.bias)
-        return self.packed.nbytes
+        self.packed = tk.cpu_linear(self.weight, self.bias)
+        return 0 if self.packed is None else self.packed.nbytes
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

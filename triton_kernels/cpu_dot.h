@@ -1,0 +1,197 @@
+/* What the CPU's native kernels share (cpu_moe.c: a MoE layer's experts; cpu_linear.c: a
+ * dense projection): 16-bit weight rows widened in registers and their dot products with
+ * float32 activations, a tile of rows by tokens at a time.
+ *
+ * Weight formats (fmt): 0 bf16, 1 fp16. VW: float32 lanes of a vector (16 with AVX-512).
+ */
+#ifndef FT_CPU_DOT_H
+#define FT_CPU_DOT_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define MAXT 4      /* tokens of one expert per pass over a weight row (in registers) */
+#define MAXR 4      /* weight rows per pass, where an expert has MAXT tokens or more */
+#define ROWS 128    /* most weight rows per work item: a long sequential stream per item
+                     * (16 rows, 32 KB: 15 GB/s cold on 2 threads; 128 rows: 27) */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
+typedef _Float16 vh __attribute__((vector_size(VW * 2)));
+
+static inline __attribute__((always_inline)) vf load_w(const uint16_t *p, const int fmt) {
+    if (fmt == 0) {                        /* bf16: the high half of a float32 */
+        vu16 h;
+        memcpy(&h, p, sizeof h);
+        vu32 w = __builtin_convertvector(h, vu32) << 16;
+        vf f;
+        memcpy(&f, &w, sizeof f);
+        return f;
+    }
+    /* fp16: vcvtph2ps on the whole vector (GCC converts a _Float16 vector one lane at a
+     * time without AVX512-FP16: 6x slower). */
+    vf f;
+#if VW == 16
+    __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    memcpy(&f, &v, sizeof f);
+#elif defined(__F16C__)
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&f, &v, sizeof f);
+#else
+    vh h;
+    memcpy(&h, p, sizeof h);
+    f = __builtin_convertvector(h, vf);
+#endif
+    return f;
+}
+
+static inline __attribute__((always_inline)) float scalar_w(const uint16_t *p, const int fmt) {
+    if (fmt == 0) {
+        uint32_t u = (uint32_t)*p << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    _Float16 h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+static inline __attribute__((always_inline)) float hsum(vf v) {
+    /* Halves added in registers (a loop over lanes goes through the stack: it cost more
+     * than a 1024-long dot product's FMAs). */
+#if VW == 16
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 h = v;
+#endif
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    q += __builtin_shufflevector(q, q, 2, 3, 0, 1);
+    q += __builtin_shufflevector(q, q, 1, 0, 3, 2);
+    return q[0];
+}
+
+/* bf16 rows are read 2 * VW weights at a time as VW 32-bit lanes, each holding weights
+ * (2i, 2i + 1): lane << 16 is weight 2i as a float32, lane & 0xffff0000 weight 2i + 1. Two
+ * ALU ops widen 2 * VW weights (a zero-extend and shift widen VW, and cost 3 ops on
+ * AVX-512: it was the kernel's bound). So the vectors they meet are "paired": per block of
+ * 2 * VW elements, the even ones then the odd ones (paired_index); a row's elements past its
+ * last whole block stay in order. fp16 rows (vcvtph2ps) meet vectors in plain order. */
+static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
+    int64_t block = j / (2 * VW), r = j % (2 * VW);
+    if (fmt != 0 || (block + 1) * 2 * VW > k)
+        return j;
+    return block * 2 * VW + (r & 1) * VW + r / 2;
+}
+
+/* res[r * MAXT + t] = w[r] . x[t] over k, for NR weight rows and NT tokens (x in the row
+ * format's order, see paired_index): each weight vector widened once for the NT tokens.
+ * Constant NR, NT and fmt: unrolled, in registers. Where NR * NT >= 8 the even and odd
+ * halves share one accumulator (enough chains to hide the FMA's latency, and 16 of
+ * AVX-512's 32 registers); below, two. */
+static inline __attribute__((always_inline)) void
+dot_tile(const uint16_t *const *w, const float *const *x, const int k, const int NR,
+         const int NT, const int fmt, float *res) {
+    const int C = NR * NT >= 8 ? 1 : 2;
+    vf acc[2][MAXR][MAXT];                 /* [chain][row][token] */
+    #pragma GCC unroll 4
+    for (int c = 0; c < C; c++)
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+            #pragma GCC unroll 4
+            for (int t = 0; t < NT; t++)
+                acc[c][r][t] = (vf){0};
+    int j = 0;
+    for (; j + 2 * VW <= k; j += 2 * VW) {
+        vf xl[MAXT], xh[MAXT];
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            memcpy(&xl[t], x[t] + j, sizeof(vf));
+            memcpy(&xh[t], x[t] + j + VW, sizeof(vf));
+            /* Held in registers for the NR rows: GCC would fold each use into an FMA's
+             * memory operand, NR loads of it instead of one (loads were the bound: 4 rows
+             * by 4 tokens 48 -> 104 GFLOP/s a core; one row is faster folded). */
+#if defined(__AVX__)
+            if (NR > 1)
+                __asm__("" : "+v"(xl[t]), "+v"(xh[t]));
+#endif
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            vf lo, hi;
+            if (fmt == 0) {
+                vu32 lanes;
+                memcpy(&lanes, w[r] + j, sizeof lanes);
+                vu32 a = lanes << 16, b = lanes & 0xffff0000u;
+                memcpy(&lo, &a, sizeof lo);
+                memcpy(&hi, &b, sizeof hi);
+            } else {
+                lo = load_w(w[r] + j, 1);
+                hi = load_w(w[r] + j + VW, 1);
+            }
+            #pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                acc[0][r][t] += lo * xl[t];
+                acc[C - 1][r][t] += hi * xh[t];
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            float s = hsum(C == 1 ? acc[0][r][t] : acc[0][r][t] + acc[1][r][t]);
+            for (int q = j; q < k; q++)
+                s += scalar_w(w[r] + q, fmt) * x[t][q];
+            res[r * MAXT + t] = s;
+        }
+}
+
+/* The tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time: one specialised
+ * body per shape. */
+static inline void dots(const uint16_t *const *w, const float *const *x, int k, int nr, int nt,
+                 int fmt, float *res) {
+#define CASE(R, T)                                              \
+    if (nr == R && nt == T) {                                   \
+        if (fmt == 0) dot_tile(w, x, k, R, T, 0, res);          \
+        else dot_tile(w, x, k, R, T, 1, res);                   \
+        return;                                                 \
+    }
+    CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
+    CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+#undef CASE
+}
+
+/* One row of x in paired order (paired_index): evens then odds of each 2 * VW block. */
+static inline void permute_row(const float *src, float *dst, int64_t k) {
+    int64_t j = 0;
+    for (; j + 2 * VW <= k; j += 2 * VW)
+        for (int q = 0; q < VW; q++) {
+            dst[j + q] = src[j + 2 * q];
+            dst[j + VW + q] = src[j + 2 * q + 1];
+        }
+    for (; j < k; j++)
+        dst[j] = src[j];
+}
+
+static inline int64_t item_rows(int64_t rows, int64_t threads) {
+    int64_t r = rows / (4 * threads) / 16 * 16;
+    return r < 16 ? 16 : r > ROWS ? ROWS : r;
+}
+
+#endif
