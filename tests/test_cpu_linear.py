@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import triton_kernels as tk
-from tiny_fixtures import biased_experts
+from tiny_fixtures import biased_experts, tiny_model_dir  # noqa: F401
 from triton_kernels.cpu_linear import GEMM_ROWS, NATIVE_ROWS
 from triton_kernels.fused_moe import _moe_loop_torch, fused_moe_reference
 
@@ -153,3 +153,139 @@ def test_native_bank_hands_prefill_rows_to_amx_products():
     one = [t[:1] for t in args[:2]] + [args[2]]               # one token: the native kernel
     assert torch.equal(fused_moe_reference(c["x"][:1], *amx, *one, b13=b13, b2=b2),
                        fused_moe_reference(c["x"][:1], *plain, *one, b13=b13, b2=b2))
+
+
+# ---- the decode step of an attention layer (cpu_attention.c) ----------------------------------
+
+def attention_case(seed, lens, hq=4, hk=2, dh=32, rot=32, bs=4, cache_dtype=torch.bfloat16,
+                   dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    b, nb = len(lens), 64
+    perm = torch.randperm(nb, generator=g)
+    m = max(-(-n // bs) for n in lens) + 1
+    tables = torch.full((b, m), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):                      # scattered blocks, -1 padded
+        k = -(-n // bs)
+        tables[i, :k] = perm[used:used + k].int()
+        used += k
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs
+                          for i, n in enumerate(lens)])
+    k_cache = torch.randn(nb, bs, hk, dh, generator=g).to(cache_dtype)
+    v_cache = torch.randn(nb, bs, hk, dh, generator=g).to(cache_dtype)
+    inv = 1.0 / 10000 ** (torch.arange(0, rot, 2).double() / rot)
+    ang = torch.arange(512).double()[:, None] * inv[None]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=1).float()
+    return dict(qkv=torch.randn(b, (hq + 2 * hk) * dh, generator=g).to(dtype),
+                q_norm=(1 + 0.3 * torch.randn(dh, generator=g)).to(dtype),
+                k_norm=(1 + 0.3 * torch.randn(dh, generator=g)).to(dtype),
+                sinks=torch.randn(hq, generator=g), positions=torch.tensor(lens) - 1,
+                cos_sin=cos_sin, k_cache=k_cache, v_cache=v_cache, slots=slots,
+                tables=tables, lens=torch.tensor(lens, dtype=torch.int32), heads=(hq, hk, dh))
+
+
+def torch_decode(c, norms, window, sinks, interleaved, scale):
+    """The torch path Attention runs on the same inputs (the op references)."""
+    hq, hk, dh = c["heads"]
+    b = c["qkv"].shape[0]
+    q, k, v = c["qkv"].split([hq * dh, hk * dh, hk * dh], dim=-1)
+    q, k, v = q.reshape(b, hq, dh), k.reshape(b, hk, dh), v.reshape(b, hk, dh)
+    if norms:
+        q = tk.rms_norm_reference(q.reshape(-1, dh), c["q_norm"], 1e-6).view(b, hq, dh)
+        k = tk.rms_norm_reference(k.reshape(-1, dh), c["k_norm"], 1e-6).view(b, hk, dh)
+    q, k = q.contiguous(), k.contiguous()
+    tk.apply_rope_reference(q, k, c["positions"], c["cos_sin"], interleaved)
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    tk.write_kv_reference(k, v, kc, vc, c["slots"])
+    cu = torch.arange(b + 1, dtype=torch.int32)
+    extra = {"sliding_window": window} if window else {}
+    if sinks:
+        extra["sinks"] = c["sinks"]
+    o = tk.paged_attention_reference(q, kc, vc, c["tables"], cu, c["lens"], scale, 1, **extra)
+    return o.reshape(b, hq * dh), kc, vc
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norms,window,sinks,interleaved,rot",
+                         [(True, None, False, False, 32), (False, 5, True, False, 32),
+                          (True, 3, True, True, 16), (False, None, False, True, 16)])
+def test_native_decode_attention_matches_the_torch_path(cache_dtype, norms, window, sinks,
+                                                        interleaved, rot, threads):
+    threads(2)
+    c = attention_case(7, [1, 6, 13, 9], rot=rot, cache_dtype=cache_dtype)
+    scale = 32 ** -0.5
+    step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"] if norms else None,
+                                 c["k_norm"] if norms else None, 1e-6, scale, window,
+                                 c["sinks"] if sinks else None, interleaved)
+    want, want_k, want_v = torch_decode(c, norms, window, sinks, interleaved, scale)
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    got = step(c["qkv"], c["positions"], c["cos_sin"], kc, vc, c["slots"], c["tables"],
+               c["lens"])
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # The values land exactly; the keys to a few bf16 steps of their head's scale (HF
+    # rounds after the norm and each of rope's products, which cancel).
+    assert torch.equal(vc, want_v)
+    scale_k = want_k.float().abs().amax(-1, keepdim=True)
+    assert ((kc.float() - want_k.float()).abs() <= 2.0 ** -6 * scale_k + 1e-6).all()
+    others = torch.ones(kc.shape[:2], dtype=torch.bool)
+    others.view(-1)[c["slots"]] = False
+    assert torch.equal(kc[others], c["k_cache"][others])     # nothing else written
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err < 2e-2, err
+
+
+def test_native_decode_attention_same_bits_any_threads_and_refuses_bad_tables(threads):
+    c = attention_case(3, [5, 11, 2])
+    step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"], c["k_norm"], 1e-6, 0.2, None,
+                                 None, False)
+    outs = []
+    for n in (1, 2, 3):
+        threads(n)
+        kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+        outs.append(step(c["qkv"], c["positions"], c["cos_sin"], kc, vc, c["slots"],
+                         c["tables"], c["lens"]))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    args = [c[n] for n in ("qkv", "positions", "cos_sin", "k_cache", "v_cache", "slots",
+                           "tables", "lens")]
+    bad_table = c["tables"].clone()
+    bad_table[1, 0] = 64                                      # past the 64 blocks
+    with pytest.raises(ValueError, match="outside the cache"):
+        step(*args[:6], bad_table, args[7])
+    with pytest.raises(ValueError, match="outside the cache"):
+        step(*args[:7], c["lens"] + 100)                      # keys past the table
+    with pytest.raises(ValueError, match="outside the cache"):
+        step(args[0], c["positions"] + 1000, *args[2:])       # past the rope table
+    with pytest.raises(ValueError, match="caches"):
+        step(c["qkv"][:, :-1], *args[1:])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family):
+    # A bf16 CPU engine's attention layers take the native decode step (gpt-oss: sliding
+    # window and sinks on alternate layers) and generate what the torch path generates, to
+    # bf16's ties: a random tiny model's top two logits can be one bf16 step apart, so where
+    # the tokens part, the torch path's top two must be that near (and the rest is not
+    # compared); the steps before must agree in token and logprob.
+    from freetoken import LLM, SamplingParams
+    from freetoken.models.layers.attention import Attention
+    path = str(tiny_model_dir(family, seed=3))
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=2)
+    prompts = [[5, 17, 99, 3, 200, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
+               [40, 41, 2, 9, 77, 300, 12, 8, 1, 64, 65, 66, 3, 3, 5, 900, 17, 18]]
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
+    attns = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
+    assert attns and all(a.cpu_decode is not None for a in attns)
+    native = llm.generate(prompts, params)
+    for a in attns:
+        a.cpu_decode = None
+    torch_path = llm.generate(prompts, params)
+    agreed = 0
+    for got, want in zip(native, torch_path):
+        for step, (tok, ref) in enumerate(zip(got.token_ids, want.token_ids)):
+            (lp, _), (ref_lp, top) = got.logprobs[step], want.logprobs[step]
+            if tok != ref:
+                assert top[0][1] - top[1][1] < 0.05, (step, top)      # a near-tie
+                break
+            assert abs(lp - ref_lp) < 0.05, (step, lp, ref_lp)
+            agreed += 1
+    assert agreed >= 18, agreed

@@ -35,7 +35,7 @@ from triton_kernels.cpu_matmul import FP16_MAX
 log = logging.getLogger("freetoken.kernels")
 
 _HERE = Path(__file__).parent
-_SOURCES = ("cpu_moe.c", "cpu_linear.c")        # compiled together into one library
+_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c")    # compiled into one library
 _HEADERS = ("cpu_dot.h",)
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 _IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -43,7 +43,8 @@ ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
 
 class NativeKernels:
-    """The loaded library: `moe` (ft_moe, cpu_moe.c) and `linear` (ft_linear, cpu_linear.c)."""
+    """The loaded library: `moe` (ft_moe, cpu_moe.c), `linear` (ft_linear, cpu_linear.c) and
+    `attn_decode` (ft_attn_decode, cpu_attention.c)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
@@ -57,6 +58,11 @@ class NativeKernels:
         fn.argtypes = [p, c_int, i64, p, c_int, p, i64, i64, p, c_int, c_int]
         fn.restype = c_int
         self._linear = fn
+        fn = lib.ft_attn_decode
+        fn.argtypes = [p, c_int, i64, i64, i64, i64, p, p, c_float, p, i64, i64, c_int, p, p,
+                       p, c_int, i64, i64, p, p, i64, p, i64, p, c_float, c_int, p, p]
+        fn.restype = c_int
+        self._attn_decode = fn
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
@@ -125,6 +131,51 @@ class NativeKernels:
                           out.data_ptr(), _IO_FORMATS[x.dtype], torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native linear: out of host memory for x's float32 copy")
+        return out
+
+
+    def attn_decode(self, qkv: torch.Tensor, heads: tuple[int, int, int], q_norm, k_norm,
+                    eps: float, cos_sin: torch.Tensor, interleaved: bool,
+                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                    window: int | None, sinks: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """One decode step of an attention layer (cpu_attention.c has the shapes): qkv
+        [B, (Hq + 2Hk) Dh] -> [B, Hq Dh] in qkv's dtype; the new keys and values written into
+        the caches. heads: (Hq, Hk, Dh); norms [Dh] / sinks [Hq] float32 or None."""
+        hq, hk, dh = heads
+        b = qkv.shape[0]
+        nb, bs = k_cache.shape[:2]
+        i64, i32, f32 = torch.int64, torch.int32, torch.float32
+        if not (qkv.dim() == 2 and qkv.shape[1] == (hq + 2 * hk) * dh and qkv.is_contiguous()
+                and qkv.dtype in _IO_FORMATS and k_cache.dtype in _IO_FORMATS
+                and k_cache.shape == v_cache.shape == (nb, bs, hk, dh) and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
+                and hq % hk == 0 and cos_sin.dtype == f32 and cos_sin.is_contiguous()
+                and cos_sin.shape[1] <= dh and cos_sin.shape[1] % 2 == 0
+                and positions.shape == slots.shape == lens.shape == (b,)
+                and positions.dtype == slots.dtype == i64 and lens.dtype == tables.dtype == i32
+                and tables.dim() == 2 and tables.shape[0] == b and tables.is_contiguous()
+                and all(t is None or (t.dtype == f32 and t.is_contiguous())
+                        for t in (q_norm, k_norm, sinks))):
+            raise ValueError(f"native decode attention: qkv [B, (Hq + 2Hk) Dh] and caches "
+                             f"[NB, BS, Hk, Dh] expected for heads {heads}, got qkv "
+                             f"{tuple(qkv.shape)} {qkv.dtype}, caches {tuple(k_cache.shape)} "
+                             f"{k_cache.dtype}")
+        out = torch.empty(b, hq * dh, dtype=qkv.dtype)
+        scratch = torch.empty(b * hq * dh)
+        ptr = [0 if t is None else t.data_ptr() for t in (q_norm, k_norm, sinks)]
+        rc = self._attn_decode(
+            qkv.data_ptr(), _IO_FORMATS[qkv.dtype], b, hq, hk, dh, ptr[0], ptr[1], eps,
+            cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], int(interleaved),
+            positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            _IO_FORMATS[k_cache.dtype], nb, bs, slots.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), window or 0, ptr[2], scale,
+            torch.get_num_threads(), scratch.data_ptr(), out.data_ptr())
+        if rc == -2:
+            raise ValueError("native decode attention: a block id, slot, position or length "
+                             "is outside the cache, its table or the rope table")
+        if rc != 0:
+            raise MemoryError("native decode attention: out of host memory for its scratch")
         return out
 
 
@@ -229,7 +280,7 @@ def _build() -> Path:
     sources = b"".join((_HERE / name).read_bytes() for name in _SOURCES + _HEADERS)
     key = hashlib.sha256(sources + version.encode() + cpu_flags().encode()).hexdigest()[:16]
     root = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
-    target = root / "native" / f"cpu_moe-{key}.so"
+    target = root / "native" / f"cpu_native-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

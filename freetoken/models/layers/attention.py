@@ -72,13 +72,30 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.sinks else None
         self.qkv_packed: tk.CpuLinear | None = None
         self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
+        self.cpu_decode: tk.CpuDecodeAttention | None = None
 
     def pack_cpu(self) -> int:
         """CPU engine: q, k and v as one product [(Hq' + 2Hk)*Dh, D] (linear.pack_fused: one
         GEMV a layer instead of three). Returns its bytes (0: they are packed alone, or not
         at all)."""
         self.qkv_packed = pack_fused([self.q_proj, self.k_proj, self.v_proj])
+        self.cpu_decode = self._native_decode()
         return 0 if self.qkv_packed is None else self.qkv_packed.nbytes
+
+    def _native_decode(self) -> tk.CpuDecodeAttention | None:
+        """A decode step after the fused product in one native call (cpu_attention.py), for
+        the configurations it covers: per-head or no q/k norm, no output gate, no clipping."""
+        cfg, kernel = self.cfg, tk.native_kernels()
+        if (kernel is None or self.qkv_packed is None or cfg.qk_norm == "all"
+                or cfg.output_gate or cfg.clip_qkv is not None):
+            return None
+        q_w, k_w = ((None if n is None else n.weight if not n.offset
+                     else (n.offset + n.weight.float()).to(n.weight.dtype))
+                    for n in (self.q_norm, self.k_norm))
+        return tk.CpuDecodeAttention(
+            kernel, (self.num_heads, self.num_kv_heads, self.head_dim), q_w, k_w,
+            cfg.rms_norm_eps, self.scale, cfg.sliding_window, self.sinks,
+            cfg.rope_interleaved)
 
     def cache_spec(self) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, self.head_dim,
@@ -86,6 +103,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
+        k_cache, v_cache = batch.kv.layer(self.layer_idx)
+        if (self.cpu_decode is not None and batch.max_seqlen_q == 1
+                and self.cpu_decode.takes(k_cache)):            # a CPU engine's decode step
+            o = self.cpu_decode(self.qkv_packed(x), batch.positions, self.rope.cos_sin,
+                                k_cache, v_cache, batch.slot_mapping, batch.block_tables,
+                                batch.seq_lens)
+            return self.o_proj(o)
         if self.qkv_packed is not None:                               # [T, H*Dh] views
             q, k, v = self.qkv_packed(x).split(self.qkv_widths, dim=-1)
         else:
@@ -107,7 +131,6 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, hd)).view_as(k)
         q, k = q.contiguous(), k.contiguous()
         tk.apply_rope(q, k, batch.positions, self.rope.cos_sin, self.cfg.rope_interleaved)
-        k_cache, v_cache = batch.kv.layer(self.layer_idx)
         tk.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         extra = {}
         if self.cfg.sliding_window is not None:
