@@ -35,7 +35,7 @@ from triton_kernels.cpu_matmul import FP16_MAX
 log = logging.getLogger("freetoken.kernels")
 
 _HERE = Path(__file__).parent
-_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c")    # compiled into one library
+_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c")   # one library
 _HEADERS = ("cpu_dot.h",)
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 _IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -44,7 +44,7 @@ ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
 class NativeKernels:
     """The loaded library: `moe` (ft_moe, cpu_moe.c), `linear` (ft_linear, cpu_linear.c) and
-    `attn_decode` (ft_attn_decode, cpu_attention.c)."""
+    `attn_decode` (ft_attn_decode, cpu_attention.c) and `rms_norm` (ft_rms_norm, cpu_norm.c)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
@@ -63,6 +63,10 @@ class NativeKernels:
                        p, c_int, i64, i64, p, p, i64, p, i64, p, c_float, c_int, p, p]
         fn.restype = c_int
         self._attn_decode = fn
+        fn = lib.ft_rms_norm
+        fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, p]
+        fn.restype = None
+        self._rms_norm = fn
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
@@ -177,6 +181,29 @@ class NativeKernels:
         if rc != 0:
             raise MemoryError("native decode attention: out of host memory for its scratch")
         return out
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+        """rms_norm_reference's arithmetic for 16-bit rows x [T, D] (weight [D] and residual
+        in x's dtype): weight * norm(x (+ residual)), and (with residual) the sum, the next
+        residual."""
+        t, d = x.shape
+        if not (x.dtype in _FORMATS and weight.dtype == x.dtype and weight.shape == (d,)
+                and (residual is None or (residual.shape == x.shape
+                                          and residual.dtype == x.dtype))):
+            raise ValueError(f"native rms_norm: 16-bit x [T, D] with weight [D] (and residual) "
+                             f"in its dtype expected, got x {tuple(x.shape)} {x.dtype}, "
+                             f"weight {tuple(weight.shape)} {weight.dtype}")
+        x, weight = x.contiguous(), weight.contiguous()
+        out = torch.empty_like(x)
+        res_out = None if residual is None else torch.empty_like(x)
+        residual = None if residual is None else residual.contiguous()
+        scratch = torch.empty(d)
+        self._rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                       weight.data_ptr(), eps, t, d, _FORMATS[x.dtype], out.data_ptr(),
+                       0 if res_out is None else res_out.data_ptr(), scratch.data_ptr())
+        return out if residual is None else (out, res_out)
 
 
 class NativeBank:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import triton_kernels as tk
+from freetoken.models.layers.norm import RMSNorm
 from freetoken.models.layers.router import Router
 from freetoken.moe.quant_layout import weight_tensors
 from triton_kernels.dequant import QuantFormat
@@ -55,7 +56,7 @@ def pack_for_cpu(model: nn.Module) -> int:
     """A model that runs on the CPU in 16 bits: every Linear and MoE router multiplies
     through triton_kernels.CpuLinear (the native GEMV below 8 rows, 2-2.5x torch's bf16
     product at one row; AMX's bf16 GEMM or FBGEMM's fp16 one from there), every QuantLinear
-    through a copy the CPU multiplies fast (pack_cpu).
+    through a copy the CPU multiplies fast, every RMSNorm's decode rows natively (pack_cpu).
     - A module that runs several projections of one input as one product (Attention: q, k
       and v) names them in `cpu_fused` and packs them together in its own pack_cpu (see
       pack_fused); where it does, they are not packed alone.
@@ -69,7 +70,8 @@ def pack_for_cpu(model: nn.Module) -> int:
             added += n
             skip |= {id(getattr(m, name)) for name in m.cpu_fused}
     return added + sum(m.pack_cpu() for m in model.modules()
-                       if isinstance(m, (Linear, QuantLinear, Router)) and id(m) not in skip)
+                       if isinstance(m, (Linear, QuantLinear, Router, RMSNorm))
+                       and id(m) not in skip)
 
 
 def pack_fused(projs) -> tk.CpuLinear | None:

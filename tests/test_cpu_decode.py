@@ -1,7 +1,9 @@
-"""A CPU engine's dense products (triton_kernels/cpu_linear.py, cpu_linear.c) and the AMX
-form of native expert banks. The native GEMV's oracle is float64 on the same 16-bit weights
-(only the order of the float32 sums and the one rounding differ); each row count's form is
-checked against the product it hands the rows to, bit for bit."""
+"""A 16-bit CPU engine's native decode-step kernels beside the MoE one: the dense products
+(triton_kernels/cpu_linear.py, cpu_linear.c) and the AMX form of native expert banks, the
+attention step (cpu_attention.py, cpu_attention.c) and RMSNorm (cpu_norm.c). The native
+GEMV's oracle is float64 on the same 16-bit weights (only the order of the float32 sums and
+the one rounding differ); each row count's form is checked against the product it hands the
+rows to, bit for bit; the attention step and the norm against the torch ops they replace."""
 
 import pytest
 import torch
@@ -289,3 +291,40 @@ def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family)
             assert abs(lp - ref_lp) < 0.05, (step, lp, ref_lp)
             agreed += 1
     assert agreed >= 18, agreed
+
+
+# ---- RMSNorm (cpu_norm.c) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_rms_norm_is_the_reference_to_a_last_place(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 200, generator=g).to(dtype)
+    res = torch.randn(7, 200, generator=g).to(dtype)
+    w = (1 + 0.5 * torch.randn(200, generator=g)).to(dtype)
+    got, got_res = kernel.rms_norm(x, w, 1e-6, res)
+    want, want_res = tk.rms_norm_reference(x, w, 1e-6, res)
+    assert torch.equal(got_res, want_res)                     # the sum: exactly
+    ulp = 2.0 ** (-6 if dtype == torch.bfloat16 else -9)       # two roundings apart at most
+    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-6).all()
+    assert (got == want).float().mean() > 0.95                 # mostly the same bits
+    alone = kernel.rms_norm(x, w, 1e-6)
+    assert ((alone.float() - tk.rms_norm_reference(x, w, 1e-6).float()).abs()
+            <= ulp * alone.float().abs() + 1e-6).all()
+    with pytest.raises(ValueError, match="16-bit x"):
+        kernel.rms_norm(x.float(), w, 1e-6)
+    with pytest.raises(ValueError, match="16-bit x"):
+        kernel.rms_norm(x, w[:100], 1e-6)
+
+
+def test_rms_norm_layer_runs_decode_rows_natively_once_packed():
+    from freetoken.models.layers.norm import NATIVE_ROWS, RMSNorm
+    norm = RMSNorm(64, 1e-6, offset=1.0).to(torch.bfloat16)
+    norm.weight.data = 0.2 * torch.randn(64).bfloat16()
+    x = torch.randn(NATIVE_ROWS + 1, 64).bfloat16()
+    before = norm(x[:2])
+    assert norm.pack_cpu() == 0 and norm.native is kernel
+    scale = (1.0 + norm.weight.float()).bfloat16()            # the zero-centred scale
+    assert torch.equal(norm(x[:2]), kernel.rms_norm(x[:2], scale, 1e-6))
+    assert ((norm(x[:2]).float() - before.float()).abs() <= 2.0 ** -7 * before.float().abs()
+            + 1e-6).all()
+    assert torch.equal(norm(x), tk.rms_norm_reference(x, scale, 1e-6))   # prefill rows: torch
