@@ -21,41 +21,8 @@
  */
 #include "cpu_dot.h"
 
-static inline float ld(const void *p, int64_t i, int fmt) {
-    if (fmt == 2)
-        return ((const float *)p)[i];
-    return scalar_w((const uint16_t *)p + i, fmt);
-}
-
-static inline float round_to(float f, int fmt) {
-    if (fmt == 2)
-        return f;
-    if (fmt == 1)
-        return (float)(_Float16)f;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        u |= 0x00400000u;
-    else
-        u += 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline void st(void *p, int64_t i, float f, int fmt) {
-    f = round_to(f, fmt);
-    if (fmt == 2) {
-        ((float *)p)[i] = f;
-    } else if (fmt == 1) {
-        _Float16 h = (_Float16)f;
-        memcpy((uint16_t *)p + i, &h, sizeof h);
-    } else {
-        uint32_t u;
-        memcpy(&u, &f, sizeof u);
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    }
-}
+/* p[i] in fmt, rounded to it first. */
+static inline void st(void *p, int64_t i, float f, int fmt) { store_as(p, i, round_to(f, fmt), fmt); }
 
 /* One head [dh] of a token: RMSNorm (when w), then RoPE over its first r dims, in float32. */
 static void norm_rope(float *h, int64_t dh, const float *w, float eps, const float *cs,
@@ -112,7 +79,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 const float *cs = cos_sin + pos[b] * r;
                 int64_t base = b * width + head * dh;
                 for (int64_t d = 0; d < dh; d++)
-                    h[d] = ld(qkv, base + d, fmt);
+                    h[d] = load_as(qkv, base + d, fmt);
                 if (head < hq) {
                     norm_rope(h, dh, q_norm, eps, cs, r, interleaved);
                     for (int64_t d = 0; d < dh; d++)
@@ -124,7 +91,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                     int64_t vbase = b * width + (hq + hk + kv) * dh;
                     for (int64_t d = 0; d < dh; d++) {
                         st(k_cache, at + d, round_to(h[d], fmt), cfmt);
-                        st(v_cache, at + d, ld(qkv, vbase + d, fmt), cfmt);
+                        st(v_cache, at + d, load_as(qkv, vbase + d, fmt), cfmt);
                     }
                 }
             }                               /* (the for's implicit barrier) */
@@ -141,7 +108,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                     int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
                     float s = 0.f;
                     for (int64_t d = 0; d < dh; d++)
-                        s += q[d] * ld(k_cache, at + d, cfmt);
+                        s += q[d] * load_as(k_cache, at + d, cfmt);
                     s *= scale;
                     scores[j - first] = s;
                     m = s > m ? s : m;
@@ -158,7 +125,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                     int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
                     float p = scores[j - first];
                     for (int64_t d = 0; d < dh; d++)
-                        h[d] += p * ld(v_cache, at + d, cfmt);
+                        h[d] += p * load_as(v_cache, at + d, cfmt);
                 }
                 for (int64_t d = 0; d < dh; d++)
                     st(out, item * dh + d, h[d] / denom, fmt);

@@ -68,6 +68,43 @@ static inline __attribute__((always_inline)) float scalar_w(const uint16_t *p, c
     return (float)h;
 }
 
+/* Activations and outputs in fmt 0 bf16, 1 fp16, 2 float32. round_to: f at fmt's precision,
+ * nearest even (a nan stays a quiet nan); store_as: a value already at that precision. */
+static inline float round_to(float f, int fmt) {
+    if (fmt == 2)
+        return f;
+    if (fmt == 1)
+        return (float)(_Float16)f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        u |= 0x00400000u;
+    else
+        u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void store_as(void *p, int64_t i, float f, int fmt) {
+    if (fmt == 2) {
+        ((float *)p)[i] = f;
+    } else if (fmt == 1) {
+        _Float16 h = (_Float16)f;
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    } else {
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    }
+}
+
+static inline float load_as(const void *p, int64_t i, int fmt) {
+    if (fmt == 2)
+        return ((const float *)p)[i];
+    return scalar_w((const uint16_t *)p + i, fmt);
+}
+
 static inline __attribute__((always_inline)) float hsum(vf v) {
     /* Halves added in registers (a loop over lanes goes through the stack: it cost more
      * than a 1024-long dot product's FMAs). */

@@ -14,29 +14,6 @@
  */
 #include "cpu_dot.h"
 
-static inline float load_scalar(const void *p, int64_t i, int fmt) {
-    if (fmt == 2)
-        return ((const float *)p)[i];
-    return scalar_w((const uint16_t *)p + i, fmt);
-}
-
-static inline void store_scalar(void *p, int64_t i, float f, int fmt) {
-    if (fmt == 2) {
-        ((float *)p)[i] = f;
-    } else if (fmt == 1) {
-        _Float16 h = (_Float16)f;
-        memcpy((uint16_t *)p + i, &h, sizeof h);
-    } else {
-        uint32_t u;
-        memcpy(&u, &f, sizeof u);
-        if ((u & 0x7fffffffu) > 0x7f800000u)            /* nan stays a (quiet) nan */
-            u |= 0x00400000u;
-        else
-            u += 0x7fffu + ((u >> 16) & 1u);            /* round to nearest even */
-        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
-    }
-}
-
 int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int wfmt,
               const float *bias, int64_t n, int64_t k, void *out, int ofmt, int threads) {
     /* x widened to float32 (wide), then each row in the weight format's order (paired_index). */
@@ -53,7 +30,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int w
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < t_count; t++) {
             for (int64_t j = 0; j < k; j++)
-                wide[t * k + j] = load_scalar(x, t * k + j, xfmt);
+                wide[t * k + j] = load_as(x, t * k + j, xfmt);
             if (wfmt == 0)
                 permute_row(wide + t * k, xp + t * k, k);
         }                                   /* (the for's implicit barrier) */
@@ -79,8 +56,9 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int w
                     dots(ws, xs, (int)k, nr, nt, wfmt, res);
                     for (int q = 0; q < nr; q++)
                         for (int t = 0; t < nt; t++)
-                            store_scalar(out, (t0 + t) * n + r + q,
-                                         res[q * MAXT + t] + (bias ? bias[r + q] : 0.f), ofmt);
+                            store_as(out, (t0 + t) * n + r + q,
+                                     round_to(res[q * MAXT + t] + (bias ? bias[r + q] : 0.f), ofmt),
+                                     ofmt);
                     r += nr;
                 }
             }

@@ -11,31 +11,6 @@
  */
 #include "cpu_dot.h"
 
-static inline float to_dtype(float f, int fmt) {
-    if (fmt == 1)
-        return (float)(_Float16)f;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        u |= 0x00400000u;
-    else
-        u += 0x7fffu + ((u >> 16) & 1u);
-    u &= 0xffff0000u;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline void put(uint16_t *p, float f, int fmt) {     /* f: already in the dtype */
-    if (fmt == 1) {
-        _Float16 h = (_Float16)f;
-        memcpy(p, &h, sizeof h);
-    } else {
-        uint32_t u;
-        memcpy(&u, &f, sizeof u);
-        *p = (uint16_t)(u >> 16);
-    }
-}
-
 void ft_rms_norm(const uint16_t *x, const uint16_t *residual, const uint16_t *w, float eps,
                  int64_t t_count, int64_t d, int fmt, uint16_t *out, uint16_t *res_out,
                  float *scratch) {
@@ -45,15 +20,15 @@ void ft_rms_norm(const uint16_t *x, const uint16_t *residual, const uint16_t *w,
         for (int64_t j = 0; j < d; j++) {
             float s = scalar_w(xr + j, fmt);
             if (residual) {
-                s = to_dtype(s + scalar_w(residual + t * d + j, fmt), fmt);
-                put(res_out + t * d + j, s, fmt);
+                s = round_to(s + scalar_w(residual + t * d + j, fmt), fmt);
+                store_as(res_out, t * d + j, s, fmt);
             }
             scratch[j] = s;
             ss += s * s;
         }
         float rstd = 1.f / sqrtf(ss / (float)d + eps);
         for (int64_t j = 0; j < d; j++)
-            put(out + t * d + j,
-                to_dtype(scalar_w(w + j, fmt) * to_dtype(scratch[j] * rstd, fmt), fmt), fmt);
+            store_as(out, t * d + j,
+                     round_to(scalar_w(w + j, fmt) * round_to(scratch[j] * rstd, fmt), fmt), fmt);
     }
 }
