@@ -36,7 +36,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's freetoken
+# `python bench/cpu.py` puts bench/ first on sys.path, where bench/kernels.py would shadow
+# the `kernels` package transformers imports when it finds one (transformers 5.x: an
+# ImportError inside from_pretrained). This checkout's freetoken instead.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
 SHAPES = {
     "qwen3-moe-1.4g": dict(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,

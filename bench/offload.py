@@ -38,6 +38,11 @@ from pathlib import Path
 
 import torch
 
+# `python bench/offload.py` puts bench/ first on sys.path, where bench/kernels.py would shadow
+# the `kernels` package transformers imports when it finds one (transformers 5.x).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
 SHAPES = {
     "qwen3-30b-a3b-8l": dict(hidden_size=2048, num_layers=8, num_heads=32, num_kv_heads=4, head_dim=128,
                              num_experts=128, top_k=8, moe_intermediate_size=768, intermediate_size=6144,

@@ -328,3 +328,64 @@ def test_rms_norm_layer_runs_decode_rows_natively_once_packed():
     assert ((norm(x[:2]).float() - before.float()).abs() <= 2.0 ** -7 * before.float().abs()
             + 1e-6).all()
     assert torch.equal(norm(x), tk.rms_norm_reference(x, scale, 1e-6))   # prefill rows: torch
+
+
+# ---- the router's softmax -> top-k (cpu_route.c) and the MoE call's dtypes --------------------
+
+def assert_same_topk(got, want, logits):
+    """The same weights, largest first, and the same experts, but for ties: equal bf16 logits
+    are common, torch.topk orders them as it may, the kernel by id; tied experts at the k-th
+    place may differ, with the same weight."""
+    (w, ids), (want_w, want_ids) = got, want
+    assert torch.allclose(w, want_w, rtol=1e-6, atol=1e-7)
+    for row in range(ids.shape[0]):
+        kth = logits[row, want_ids[row, -1]]
+        assert (set(ids[row][logits[row, ids[row]] > kth].tolist())
+                == set(want_ids[row][logits[row, want_ids[row]] > kth].tolist()))
+        assert bool((logits[row, ids[row]] >= kth).all())
+        ties = ids[row][logits[row, ids[row]] == logits[row, ids[row]][0]]   # lower id first
+        assert torch.equal(ties, ties.sort().values)
+
+
+@pytest.mark.parametrize("e,k", [(64, 8), (7, 3), (5, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_native_topk_softmax_is_the_reference(e, k, dtype, renormalize):
+    g = torch.Generator().manual_seed(e + k)
+    logits = torch.randn(9, e, generator=g).to(dtype)
+    weights, ids = kernel.topk_softmax(logits, k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert_same_topk((weights, ids), tk.topk_softmax_reference(logits, k, renormalize), logits)
+    with pytest.raises(ValueError, match="1 <= k <= E"):
+        kernel.topk_softmax(logits, e + 1, renormalize)
+
+
+def test_router_routes_natively_once_packed():
+    from freetoken.models.layers.router import Router, RouterConfig
+    router = Router(64, RouterConfig(num_experts=16, top_k=4, renormalize=True))
+    router.weight.data = torch.randn(16, 64) * 0.3
+    router = router.to(torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    want = router.route(x)
+    router.pack_cpu()
+    assert router.native is kernel
+    got = router.route(x)
+    assert got[0].dtype == want[0].dtype
+    assert_same_topk((got[0].float(), got[1]), (want[0].float(), want[1]),
+                     router.logits(x).float())
+    biased = Router(64, RouterConfig(num_experts=16, top_k=4, scoring="sigmoid",
+                                     selection_bias=True))
+    biased.pack_cpu()
+    assert biased.native is None                    # grouped / biased routing: torch's ops
+
+
+def test_native_moe_writes_its_output_in_the_dtype_asked(threads):
+    # The float32 sums rounded once to bf16 or fp16: exactly the float32 output's rounding;
+    # x in bf16 is read as it is (the same sums as from its float32 copy).
+    threads(2)
+    c = biased_experts(seed=8, t=6, d=64, i=32)
+    args = (c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"], c["b13"], c["b2"])
+    f32 = kernel.moe(c["x"], *args)
+    assert torch.equal(kernel.moe(c["x"].float(), *args), f32)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(kernel.moe(c["x"], *args, out_dtype=dtype), f32.to(dtype))

@@ -11,10 +11,12 @@
  * used experts are shared among the threads.
  *
  * Shapes (P = T * k (token, expert) pairs, S slots in the banks, D hidden, I expert width):
- *   x [T, D] f32, ids [T, k] i64 (expert ids; slot_map [n_map] i64 maps them to slots, or NULL),
+ *   x [T, D] in xfmt (0 bf16, 1 fp16, 2 f32), ids [T, k] i64 (expert ids; slot_map [n_map]
+ *   i64 maps them to slots, or NULL),
  *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] 16-bit (fmt: 0 bf16, 1 fp16), rows
  *   [0, I) of w13 the gate and [I, 2I) the up; b13 [S, 2I] and b2 [S, D] f32 or NULL;
- *   act [P, I] f32 scratch; out [T, D] f32; threads: the team (the caller's torch thread count).
+ *   act [P, I] f32 and acc [T, D] f32 scratch; out [T, D] in ofmt (as xfmt; rounded once);
+ *   threads: the team (the caller's torch thread count).
  * Each output element is summed in one fixed order (the k experts of a token by slot, each
  * dot product over K in vector lanes then across them), whatever the thread count.
  */
@@ -33,11 +35,12 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
     return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
 }
 
-int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
+int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
            const float *wts,
            int64_t t_count, int64_t k_count, const uint16_t *w13, const uint16_t *w2,
            const float *b13, const float *b2, int64_t slots, int64_t d, int64_t width,
-           int fmt, int kind, float alpha, float limit, int threads, float *act, float *out) {
+           int fmt, int kind, float alpha, float limit, int threads, float *act, float *acc,
+           void *out, int ofmt) {
     const int64_t pairs = t_count * k_count;
     /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
@@ -79,8 +82,10 @@ int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, int64_t 
         free(fill);
     }
     /* x's rows in the order the weight rows are read (paired_index). */
-    float *xp = fmt == 0 ? malloc((t_count ? t_count : 1) * d * sizeof *xp) : (float *)x;
-    if (!xp) {
+    /* x widened to float32 (wide), in the weight format's order (xp: paired for bf16). */
+    float *wide = malloc(2 * (t_count ? t_count : 1) * d * sizeof *wide);
+    float *xp = fmt == 0 ? wide + t_count * d : wide;
+    if (!wide) {
         free(start), free(order), free(used);
         return -1;
     }
@@ -101,10 +106,12 @@ int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, int64_t 
 
 #pragma omp parallel num_threads(threads)
     {
-        if (fmt == 0) {
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < t_count; t++)
-                permute_row(x + t * d, xp + t * d, d);
+        for (int64_t t = 0; t < t_count; t++) {
+            for (int64_t j = 0; j < d; j++)
+                wide[t * d + j] = load_as(x, t * d + j, xfmt);
+            if (fmt == 0)
+                permute_row(wide + t * d, xp + t * d, d);
         }                                   /* (the for's implicit barrier) */
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
@@ -155,7 +162,7 @@ int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, int64_t 
                 break;
             int64_t r0 = item * down_rows, r1 = r0 + down_rows < d ? r0 + down_rows : d;
             for (int64_t t = 0; t < t_count; t++)
-                memset(out + t * d + r0, 0, (r1 - r0) * sizeof *out);
+                memset(acc + t * d + r0, 0, (r1 - r0) * sizeof *acc);
             for (int64_t u = 0; u < n_used; u++) {
                 int64_t s = used[u];
                 const int64_t *mine = order + start[s];
@@ -177,16 +184,18 @@ int ft_moe(const float *x, const int64_t *ids, const int64_t *slot_map, int64_t 
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];
                                 float h = res[q * MAXT + t] + (b2 ? b2[s * d + r + q] : 0.f);
-                                out[(p / k_count) * d + r + q] += wts[p] * h;
+                                acc[(p / k_count) * d + r + q] += wts[p] * h;
                             }
                         r += nr;
                     }
                 }
             }
+            for (int64_t t = 0; t < t_count; t++)
+                for (int64_t r = r0; r < r1; r++)
+                    store_as(out, t * d + r, round_to(acc[t * d + r], ofmt), ofmt);
         }
     }
-    if (xp != x)
-        free(xp);
+    free(wide);
     free(start), free(order), free(used);
     return 0;
 }

@@ -35,7 +35,8 @@ from triton_kernels.cpu_matmul import FP16_MAX
 log = logging.getLogger("freetoken.kernels")
 
 _HERE = Path(__file__).parent
-_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c")   # one library
+# compiled together into one library
+_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c")
 _HEADERS = ("cpu_dot.h",)
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 _IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -44,14 +45,15 @@ ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
 class NativeKernels:
     """The loaded library: `moe` (ft_moe, cpu_moe.c), `linear` (ft_linear, cpu_linear.c) and
-    `attn_decode` (ft_attn_decode, cpu_attention.c) and `rms_norm` (ft_rms_norm, cpu_norm.c)."""
+    `attn_decode` (ft_attn_decode, cpu_attention.c), `rms_norm` (ft_rms_norm, cpu_norm.c) and
+    `topk_softmax` (ft_topk_softmax, cpu_route.c)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
         p, i64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         fn = lib.ft_moe
-        fn.argtypes = [p, p, p, i64, p, i64, i64, p, p, p, p, i64, i64, i64,
-                       c_int, c_int, c_float, c_float, c_int, p, p]
+        fn.argtypes = [p, c_int, p, p, i64, p, i64, i64, p, p, p, p, i64, i64, i64,
+                       c_int, c_int, c_float, c_float, c_int, p, p, p, c_int]
         fn.restype = c_int
         self._moe = fn
         fn = lib.ft_linear
@@ -67,6 +69,10 @@ class NativeKernels:
         fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, p]
         fn.restype = None
         self._rms_norm = fn
+        fn = lib.ft_topk_softmax
+        fn.argtypes = [p, c_int, i64, i64, i64, c_int, p, p]
+        fn.restype = None
+        self._topk_softmax = fn
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
@@ -76,10 +82,11 @@ class NativeKernels:
                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  slot_map: torch.Tensor | None = None, b13: torch.Tensor | None = None,
                  b2: torch.Tensor | None = None, activation: str = "silu",
-                 alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                 alpha: float = 1.702, limit: float = 7.0,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x [T, D] (any float dtype) through the routed experts of w13 [S, 2I, D] and
-        w2 [S, D, I] (both bf16 or both fp16, contiguous, on the CPU) -> [T, D] float32,
-        on torch's thread count."""
+        w2 [S, D, I] (both bf16 or both fp16, contiguous, on the CPU) -> [T, D] in out_dtype
+        (bf16, fp16 or float32: summed in float32, rounded once), on torch's thread count."""
         t, d = x.shape
         slots, width = w2.shape[0], w2.shape[2]
         if not (w13.dtype == w2.dtype and self.handles(w13.dtype) and w13.is_contiguous()
@@ -87,25 +94,29 @@ class NativeKernels:
                 and tuple(w13.shape) == (slots, 2 * width, d)
                 and tuple(w2.shape) == (slots, d, width)
                 and tuple(topk_ids.shape) == tuple(topk_weights.shape)
-                and topk_ids.shape[0] == t):
+                and topk_ids.shape[0] == t and out_dtype in _IO_FORMATS):
             raise ValueError(f"native MoE: w13 [S, 2I, D] and w2 [S, D, I] in one 16-bit dtype "
                              f"on the CPU and ids/weights [T, k] expected, got w13 "
                              f"{tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, "
                              f"x {tuple(x.shape)}, ids {tuple(topk_ids.shape)}")
-        out = torch.empty(t, d)
+        out = torch.empty(t, d, dtype=out_dtype)
         if not topk_ids.numel():
             return out.zero_()
-        xf = x.float().contiguous()
+        xf = (x if x.dtype in _IO_FORMATS else x.float()).contiguous()
         ids = topk_ids.contiguous().long()
         weights = topk_weights.float().contiguous()
         smap = None if slot_map is None else slot_map.contiguous().long()
         biases = [None if b is None else b.float().contiguous() for b in (b13, b2)]
-        act = torch.empty(ids.numel(), width)
-        rc = self._moe(xf.data_ptr(), ids.data_ptr(), 0 if smap is None else smap.data_ptr(),
-                      0 if smap is None else smap.numel(), weights.data_ptr(), t, ids.shape[1], w13.data_ptr(), w2.data_ptr(),
-                      *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
-                      _FORMATS[w13.dtype], ACTIVATIONS[activation], alpha, limit,
-                      torch.get_num_threads(), act.data_ptr(), out.data_ptr())
+        scratch = torch.empty(ids.numel() * width + t * d)     # act [P, I], then acc [T, D]
+        rc = self._moe(xf.data_ptr(), _IO_FORMATS[xf.dtype], ids.data_ptr(),
+                       0 if smap is None else smap.data_ptr(),
+                       0 if smap is None else smap.numel(), weights.data_ptr(), t,
+                       ids.shape[1], w13.data_ptr(), w2.data_ptr(),
+                       *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
+                       _FORMATS[w13.dtype], ACTIVATIONS[activation], alpha, limit,
+                       torch.get_num_threads(), scratch.data_ptr(),
+                       scratch.data_ptr() + ids.numel() * width * 4, out.data_ptr(),
+                       _IO_FORMATS[out_dtype])
         if rc == -2:
             raise ValueError(f"native MoE: an expert id is outside the slot map or maps outside "
                              f"the bank's {slots} slots")
@@ -206,6 +217,22 @@ class NativeKernels:
         return out if residual is None else (out, res_out)
 
 
+    def topk_softmax(self, logits: torch.Tensor, top_k: int,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_softmax_reference for CPU logits [T, E] (16-bit or float32): (weights [T, k]
+        float32, ids [T, k] int64), largest first."""
+        t, e = logits.shape
+        if not (logits.dtype in _IO_FORMATS and 1 <= top_k <= e):
+            raise ValueError(f"native top-k softmax: logits [T, E] with 1 <= k <= E expected, "
+                             f"got {tuple(logits.shape)} {logits.dtype}, k={top_k}")
+        logits = logits.contiguous()
+        weights = torch.empty(t, top_k)
+        ids = torch.empty(t, top_k, dtype=torch.int64)
+        self._topk_softmax(logits.data_ptr(), _IO_FORMATS[logits.dtype], t, e, top_k,
+                           int(renormalize), weights.data_ptr(), ids.data_ptr())
+        return weights, ids
+
+
 class NativeBank:
     """A bank of 16-bit experts [E, N, K] that the native kernel computes (only the CPU
     computes them): the weights as they are, in bf16 or fp16, nothing repacked (a
@@ -258,7 +285,9 @@ def moe_native(x, w13: NativeBank, w2: NativeBank, topk_weights, topk_ids, slot_
         raise ValueError(f"fused_moe: w13 and w2 must both be native banks of one kernel and "
                          f"dtype, got {_describe(w13)} and {_describe(w2)}")
     return w13.kernel.moe(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, b13, b2,
-                      activation.kind, activation.alpha, activation.limit).to(x.dtype)
+                          activation.kind, activation.alpha, activation.limit,
+                          out_dtype=x.dtype if x.dtype in _IO_FORMATS else torch.float32
+                          ).to(x.dtype)
 
 
 @functools.cache

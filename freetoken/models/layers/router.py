@@ -62,12 +62,15 @@ class Router(nn.Module):
                                         if cfg.selection_bias else None)
 
         self.packed: tk.CpuLinear | None = None
+        self.native: tk.NativeKernels | None = None     # a CPU engine's softmax -> top-k
 
     def pack_cpu(self) -> int:
         """On a CPU engine in 16 bits: the gate through the CPU's product (cpu_linear.py; a
         bf16 [64, 1024] product cost ~100 us a layer, 1/20 of a decode step; packed, ~10).
         The logits are still rounded to x's dtype, as F.linear's. A float32 router keeps
-        its exact product. Returns the bytes it added."""
+        its exact product. The plain softmax -> top-k runs natively (cpu_route.c: one call
+        for torch's four ops). Returns the bytes it added."""
+        self.native = tk.native_kernels() if self.cfg.plain else None
         if self.cfg.float32 or self.weight.dtype not in (torch.bfloat16, torch.float16):
             return 0
         self.packed = tk.cpu_linear(self.weight, self.bias)
@@ -84,7 +87,9 @@ class Router(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] float32, or x's dtype when the family casts; ids [T, k])."""
         c, logits = self.cfg, self.logits(x)
-        if c.plain:
+        if c.plain and self.native is not None and logits.device.type == "cpu":
+            weights, ids = self.native.topk_softmax(logits, c.top_k, c.renormalize)
+        elif c.plain:
             weights, ids = tk.topk_softmax(logits, c.top_k, c.renormalize)
         else:
             bias = (None if self.e_score_correction_bias is None
