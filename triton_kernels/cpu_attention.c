@@ -24,6 +24,44 @@
 /* p[i] in fmt, rounded to it first. */
 static inline void st(void *p, int64_t i, float f, int fmt) { store_as(p, i, round_to(f, fmt), fmt); }
 
+/* VW values of p from element i on, widened to float32. */
+static inline vf load_vec(const void *p, int64_t i, int fmt) {
+    if (fmt == 2) {
+        vf f;
+        memcpy(&f, (const float *)p + i, sizeof f);
+        return f;
+    }
+    return load_w((const uint16_t *)p + i, fmt);
+}
+
+/* q . k over dh, q float32, k in fmt: vector lanes, then across them, then the tail. */
+static inline float dot_head(const float *q, const void *k, int64_t at, int64_t dh, int fmt) {
+    vf acc = {0};
+    int64_t d = 0;
+    for (; d + VW <= dh; d += VW) {
+        vf qv;
+        memcpy(&qv, q + d, sizeof qv);
+        acc += qv * load_vec(k, at + d, fmt);
+    }
+    float s = hsum(acc);
+    for (; d < dh; d++)
+        s += q[d] * load_as(k, at + d, fmt);
+    return s;
+}
+
+/* h += p * v over dh, v in fmt. */
+static inline void add_scaled(float *h, float p, const void *v, int64_t at, int64_t dh, int fmt) {
+    int64_t d = 0;
+    for (; d + VW <= dh; d += VW) {
+        vf hv;
+        memcpy(&hv, h + d, sizeof hv);
+        hv += p * load_vec(v, at + d, fmt);
+        memcpy(h + d, &hv, sizeof hv);
+    }
+    for (; d < dh; d++)
+        h[d] += p * load_as(v, at + d, fmt);
+}
+
 /* One head [dh] of a token: RMSNorm (when w), then RoPE over its first r dims, in float32. */
 static void norm_rope(float *h, int64_t dh, const float *w, float eps, const float *cs,
                       int64_t r, int interleaved) {
@@ -106,10 +144,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 float m = sinks ? sinks[head] : -INFINITY;
                 for (int64_t j = first; j < len; j++) {
                     int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
-                    float s = 0.f;
-                    for (int64_t d = 0; d < dh; d++)
-                        s += q[d] * load_as(k_cache, at + d, cfmt);
-                    s *= scale;
+                    float s = dot_head(q, k_cache, at, dh, cfmt) * scale;
                     scores[j - first] = s;
                     m = s > m ? s : m;
                 }
@@ -123,9 +158,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                     h[d] = 0.f;
                 for (int64_t j = first; j < len; j++) {
                     int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
-                    float p = scores[j - first];
-                    for (int64_t d = 0; d < dh; d++)
-                        h[d] += p * load_as(v_cache, at + d, cfmt);
+                    add_scaled(h, scores[j - first], v_cache, at, dh, cfmt);
                 }
                 for (int64_t d = 0; d < dh; d++)
                     st(out, item * dh + d, h[d] / denom, fmt);
