@@ -136,8 +136,8 @@ def test_cpu_linear_decoded_weights_take_one_two_byte_copy():
 
 def test_native_bank_hands_prefill_rows_to_amx_products():
     # An AMX bank: a call of GEMM_ROWS (token, expert) pairs an expert and more runs torch's
-    # bf16 products an expert at a time (HF's loop and its bits; the float32 biases in x's
-    # dtype); fewer, the native kernel. Without AMX, always the native kernel.
+    # bf16 products an expert at a time (grouped, with HF's loop's bits; the float32 biases
+    # in x's dtype); fewer, the native kernel. Without AMX, always the native kernel.
     c = biased_experts(seed=4, t=40, d=64, i=32, e=3, k=2, pool=5)     # ~27 pairs an expert
     b13, b2 = c["b13"].float(), c["b2"].float()
     amx = (tk.NativeBank(c["w13"], kernel, amx=True), tk.NativeBank(c["w2"], kernel, amx=True))

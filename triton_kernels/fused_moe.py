@@ -75,11 +75,15 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
     if isinstance(w13, NativeBank):     # experts only the CPU computes, by the native kernel
         if w13.gemm and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS:
-            # A prefill chunk on an AMX CPU: torch's bf16 products an expert at a time (HF's
-            # loop, and its bits), the banks' float32 biases in x's dtype as HF keeps them.
+            # A prefill chunk on an AMX CPU: torch's bf16 products (oneDNN's AMX kernels) an
+            # expert at a time, as one grouped call per projection (the loop's ~10 ops an
+            # expert cost a 512-token chunk ~5 ms a layer) where it gives the loop's bits,
+            # else HF's loop; the banks' float32 biases in x's dtype as HF keeps them.
             biases = [None if b is None else b.to(x.dtype) for b in (b13, b2)]
-            return _moe_loop_torch(x, w13.weight, w2.weight, topk_weights, topk_ids,
-                                   slot_map, *biases, activation)
+            exact = _grouped_exact(x, w2.weight, activation)
+            run = _moe_grouped_torch if exact else _moe_loop_torch
+            return run(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, *biases,
+                       activation)
         return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, Fp16Bank):       # experts only the CPU computes, packed for its GEMM
         _check_packed(x, w13, w2)
@@ -96,8 +100,6 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # the grouped call give the same bits: the same matmuls per expert, summed in the same
     # order. grouped_mm also wants rows of a multiple of 16 bytes (real widths are; odd test
     # ones not).
-    row_bytes = (x.shape[1], w2.shape[2])
-    aligned = all(n * x.element_size() % 16 == 0 for n in row_bytes)
     if x.device.type != "cpu" or not topk_ids.numel():
         return _moe_loop_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if x.shape[0] == 1:
@@ -112,10 +114,18 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # float32 gpt-oss activations stay per expert: torch's float32 sigmoid gives other last
     # bits on a [P, I] tensor than on the loop's [n, I] slices (16-bit outputs round them away).
     run = _moe_loop_torch
-    exact_per_expert = activation.kind == "swiglu_oai" and x.dtype == torch.float32
-    if aligned and not exact_per_expert and 2 * used.numel() >= int(used[-1] - used[0]) + 1:
+    if _grouped_exact(x, w2, activation) and 2 * used.numel() >= int(used[-1] - used[0]) + 1:
         run = _moe_grouped_torch
     return run(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
+
+
+def _grouped_exact(x, w2, activation) -> bool:
+    """Whether _moe_grouped_torch gives the loop's bits here: grouped_mm wants rows of a
+    multiple of 16 bytes (real widths are; odd test ones not), and a float32 gpt-oss
+    activation stays per expert (torch's float32 sigmoid gives other last bits on a [P, I]
+    tensor than on the loop's [n, I] slices; 16-bit outputs round them away)."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[1], w2.shape[2]))
+    return aligned and not (activation.kind == "swiglu_oai" and x.dtype == torch.float32)
 
 
 def _rows_per_expert(topk_ids, slot_map) -> float:
@@ -289,8 +299,12 @@ def _moe_grouped_torch(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, ac
     # after each add (one index_add_ over repeated tokens would sum in float32 and round
     # once: other bits than HF's loop). So: back to pair order [T, k, D], each token's k rows
     # in id order, then k adds.
-    rows = torch.empty_like(h).index_copy_(0, by_slot, h).view(*topk_ids.shape, -1)
-    rows = rows.take_along_dim(topk_ids.argsort(dim=1, stable=True)[..., None], dim=1)
+    # (One index_select of whole rows: take_along_dim broadcasts its index to [T, k, D] and
+    # wraps it with a remainder, ~15 ms a layer for a 512-token chunk.)
+    t = topk_ids.shape[0]
+    by_id = topk_ids.argsort(dim=1, stable=True) + k * torch.arange(t, device=x.device)[:, None]
+    rows = torch.empty_like(h).index_copy_(0, by_slot, h).index_select(0, by_id.reshape(-1))
+    rows = rows.view(t, k, -1)
     out = rows[:, 0].clone()
     for j in range(1, k):
         out += rows[:, j]
