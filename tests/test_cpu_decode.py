@@ -296,38 +296,47 @@ def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family)
 # ---- RMSNorm (cpu_norm.c) ------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_native_rms_norm_is_the_reference_to_a_last_place(dtype):
+def test_native_rms_norm_is_the_reference_to_a_last_place(dtype, threads):
+    # 7 rows (one thread) and 40 (shared among the threads); D 200: vector blocks and a tail.
+    threads(2)
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(7, 200, generator=g).to(dtype)
-    res = torch.randn(7, 200, generator=g).to(dtype)
-    w = (1 + 0.5 * torch.randn(200, generator=g)).to(dtype)
-    got, got_res = kernel.rms_norm(x, w, 1e-6, res)
-    want, want_res = tk.rms_norm_reference(x, w, 1e-6, res)
-    assert torch.equal(got_res, want_res)                     # the sum: exactly
-    ulp = 2.0 ** (-6 if dtype == torch.bfloat16 else -9)       # two roundings apart at most
-    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-6).all()
-    assert (got == want).float().mean() > 0.95                 # mostly the same bits
-    alone = kernel.rms_norm(x, w, 1e-6)
-    assert ((alone.float() - tk.rms_norm_reference(x, w, 1e-6).float()).abs()
-            <= ulp * alone.float().abs() + 1e-6).all()
+    for t in (7, 40):
+        x = torch.randn(t, 200, generator=g).to(dtype)
+        res = torch.randn(t, 200, generator=g).to(dtype)
+        w = (1 + 0.5 * torch.randn(200, generator=g)).to(dtype)
+        x[0, 3] = res[1, 199] = float("nan")                   # a nan stays in its row
+        got, got_res = kernel.rms_norm(x, w, 1e-6, res)
+        want, want_res = tk.rms_norm_reference(x, w, 1e-6, res)
+        assert torch.equal(got_res.isnan(), want_res.isnan())
+        assert torch.equal(got.isnan(), want.isnan()) and got[:2].isnan().all()
+        ok = ~want.isnan()
+        assert torch.equal(got_res[ok], want_res[ok])          # the sum: exactly
+        ulp = 2.0 ** (-6 if dtype == torch.bfloat16 else -9)   # two roundings apart at most
+        assert ((got[ok].float() - want[ok].float()).abs()
+                <= ulp * want[ok].float().abs() + 1e-6).all()
+        assert (got[ok] == want[ok]).float().mean() > 0.95     # mostly the same bits
+        alone = kernel.rms_norm(x[2:], w, 1e-6)
+        ref = tk.rms_norm_reference(x[2:], w, 1e-6).float()
+        assert ((alone.float() - ref).abs() <= ulp * ref.abs() + 1e-6).all()
     with pytest.raises(ValueError, match="16-bit x"):
         kernel.rms_norm(x.float(), w, 1e-6)
     with pytest.raises(ValueError, match="16-bit x"):
         kernel.rms_norm(x, w[:100], 1e-6)
 
 
-def test_rms_norm_layer_runs_decode_rows_natively_once_packed():
-    from freetoken.models.layers.norm import NATIVE_ROWS, RMSNorm
+def test_rms_norm_layer_runs_natively_once_packed():
+    from freetoken.models.layers.norm import RMSNorm
     norm = RMSNorm(64, 1e-6, offset=1.0).to(torch.bfloat16)
     norm.weight.data = 0.2 * torch.randn(64).bfloat16()
-    x = torch.randn(NATIVE_ROWS + 1, 64).bfloat16()
-    before = norm(x[:2])
+    x = torch.randn(40, 64).bfloat16()
+    before = norm(x)
     assert norm.pack_cpu() == 0 and norm.native is kernel
     scale = (1.0 + norm.weight.float()).bfloat16()            # the zero-centred scale
-    assert torch.equal(norm(x[:2]), kernel.rms_norm(x[:2], scale, 1e-6))
-    assert ((norm(x[:2]).float() - before.float()).abs() <= 2.0 ** -7 * before.float().abs()
+    for rows in (2, 40):
+        assert torch.equal(norm(x[:rows]), kernel.rms_norm(x[:rows], scale, 1e-6))
+    assert ((norm(x).float() - before.float()).abs() <= 2.0 ** -6 * before.float().abs()
             + 1e-6).all()
-    assert torch.equal(norm(x), tk.rms_norm_reference(x, scale, 1e-6))   # prefill rows: torch
+    assert torch.equal(norm(x.float()), tk.rms_norm_reference(x.float(), scale, 1e-6))
 
 
 # ---- the router's softmax -> top-k (cpu_route.c) and the MoE call's dtypes --------------------

@@ -66,7 +66,7 @@ class NativeKernels:
         fn.restype = c_int
         self._attn_decode = fn
         fn = lib.ft_rms_norm
-        fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, p]
+        fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, c_int]
         fn.restype = None
         self._rms_norm = fn
         fn = lib.ft_topk_softmax
@@ -210,10 +210,9 @@ class NativeKernels:
         out = torch.empty_like(x)
         res_out = None if residual is None else torch.empty_like(x)
         residual = None if residual is None else residual.contiguous()
-        scratch = torch.empty(d)
         self._rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                        weight.data_ptr(), eps, t, d, _FORMATS[x.dtype], out.data_ptr(),
-                       0 if res_out is None else res_out.data_ptr(), scratch.data_ptr())
+                       0 if res_out is None else res_out.data_ptr(), torch.get_num_threads())
         return out if residual is None else (out, res_out)
 
 
