@@ -225,7 +225,8 @@ def llama_cpp(bench: Path, gguf: Path, threads: int, tokens: int, rounds: int) -
         npl = ",".join(str(b) for b in BATCHES[1:])
         res = subprocess.run([str(batched), "-m", str(gguf), "-t", str(threads), "-c",
                               str(max(BATCHES) * (PROMPT + tokens + 8)), "-npp", str(PROMPT),
-                              "-ntg", str(tokens), "-npl", npl, "--output-format", "jsonl"],
+                              "-ntg", str(tokens), "-npl", npl, "--output-format", "jsonl",
+                              "--no-repack"],       # as above (q8_0's repack: SIGSEGV here)
                              check=True, capture_output=True, text=True).stdout
         for line in res.splitlines():
             if line.startswith("{"):
@@ -340,8 +341,11 @@ def main(argv=None) -> int:
                 else:                          # q4_0, q4_k_m, ...: llama-quantize of base's
                     ggufs[outtype] = requantize(args.llama_bench, ggufs[base], outtype, out,
                                                 args.threads)
-                res[name] = llama_cpp(args.llama_bench, ggufs[outtype], args.threads, tokens,
-                                      args.rounds)
+                try:
+                    res[name] = llama_cpp(args.llama_bench, ggufs[outtype], args.threads,
+                                          tokens, args.rounds)
+                except subprocess.CalledProcessError as exc:   # one arm lost, not the run
+                    print(f"{name}: {exc} {(exc.stderr or '')[-300:]}", file=sys.stderr)
     report.update(active_bytes_per_arm=actives)
     report.update(dram_read_gbps=dram, results=res)
 

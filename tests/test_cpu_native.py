@@ -109,17 +109,21 @@ def test_native_moe_refuses_bad_input():
         kernel.moe(c["x"], c["w13"], c["w2"], c["weights"][:2], c["ids"], c["slot_map"])
 
 
-def test_decoded_bank_keeps_float16_or_falls_back_to_bfloat16():
+def test_decoded_bank_keeps_float16_or_falls_back_to_bfloat16_or_takes_bfloat16_for_amx():
     kernel = tk.native_kernels()
     small = [torch.randn(8, 32) for _ in range(3)]
-    bank = tk.NativeBank.decoded((3, 8, 32), lambda e: small[e], kernel)
+    bank = tk.NativeBank.decoded((3, 8, 32), lambda e: small[e], kernel, amx=False)
     assert bank.dtype == torch.float16
     assert torch.equal(bank.weight, torch.stack(small).half())
     big = [s.clone() for s in small]
     big[1][0, 0] = 1e6                              # beyond float16's range
-    bank = tk.NativeBank.decoded((3, 8, 32), lambda e: big[e], kernel)
-    assert bank.dtype == torch.bfloat16
+    bank = tk.NativeBank.decoded((3, 8, 32), lambda e: big[e], kernel, amx=False)
+    assert bank.dtype == torch.bfloat16 and not bank.gemm
     assert torch.equal(bank.weight, torch.stack(big).bfloat16())
+    # With AMX: bfloat16 whatever the range, and prefill chunks to its products.
+    bank = tk.NativeBank.decoded((3, 8, 32), lambda e: small[e], kernel, amx=True)
+    assert bank.dtype == torch.bfloat16 and bank.gemm
+    assert torch.equal(bank.weight, torch.stack(small).bfloat16())
 
 
 def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):

@@ -384,7 +384,7 @@ def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, mo
     # once into 16-bit banks (the native kernel's, or fp16-packed without one) when host RAM
     # holds 2 bytes a weight (resident, and the store's CPU layers); without the room they
     # keep the tile decode. Both stay as near the float32 engine as bf16 allows, the decoded
-    # one (float16's 11 bits) no farther.
+    # one (float16's 11 bits; bf16's, the tile decode's own, on an AMX CPU) no farther.
     import freetoken.engine.model_runner as mr
     import triton_kernels as tk
     path = str(tiny(tmp_path / "q", family, quant))
