@@ -118,19 +118,23 @@ def test_cpu_linear_without_the_native_kernel_is_fbgemm_alone():
 
 
 def test_cpu_linear_decoded_weights_take_one_two_byte_copy():
-    # A float32 weight (decoded from fp8 or fp4) becomes bf16 where this machine runs the
-    # native GEMV and AMX's GEMM, else fp16 for FBGEMM (refused beyond its range).
+    # A float32 weight (decoded from fp8 or fp4) of a bf16 model becomes bf16 where this
+    # machine runs the native GEMV and AMX's GEMM, else fp16 for FBGEMM (refused beyond its
+    # range); an fp16 model's is always fp16 (its 11 bits).
     w = torch.randn(16, 32)
-    lin = tk.cpu_linear(w, None)
+    lin = tk.cpu_linear(w, None, dtype=torch.bfloat16)
     both = tk.has_amx_bf16()
     assert lin.nbytes == 16 * 32 * 2
     if both:
         assert torch.equal(lin.weight, w.bfloat16()) and lin.fbgemm is None
     else:
         assert lin.fbgemm is not None
+    fp16 = tk.cpu_linear(w, None, dtype=torch.float16)
+    assert fp16.fbgemm is not None and fp16.nbytes == 16 * 32 * 2 and not fp16.gemm
     big = w.clone()
     big[0, 0] = 1e6
-    assert (tk.cpu_linear(big) is not None) == both
+    assert (tk.cpu_linear(big, dtype=torch.bfloat16) is not None) == both
+    assert tk.cpu_linear(big, dtype=torch.float16) is None
     assert tk.cpu_linear(torch.randn(4, 8).to(torch.float64)) is None
 
 
@@ -155,6 +159,10 @@ def test_native_bank_hands_prefill_rows_to_amx_products():
     one = [t[:1] for t in args[:2]] + [args[2]]               # one token: the native kernel
     assert torch.equal(fused_moe_reference(c["x"][:1], *amx, *one, b13=b13, b2=b2),
                        fused_moe_reference(c["x"][:1], *plain, *one, b13=b13, b2=b2))
+    # x in another dtype than the bank (an fp16 model's bank beyond fp16's range): native.
+    half = fused_moe_reference(c["x"].half(), *amx, *args, b13=b13, b2=b2)
+    assert half.dtype == torch.float16
+    assert torch.equal(half, fused_moe_reference(c["x"].half(), *plain, *args, b13=b13, b2=b2))
 
 
 # ---- the decode step of an attention layer (cpu_attention.c) ----------------------------------
@@ -210,12 +218,27 @@ def torch_decode(c, norms, window, sinks, interleaved, scale):
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("norms,window,sinks,interleaved,rot",
                          [(True, None, False, False, 32), (False, 5, True, False, 32),
-                          (True, 3, True, True, 16), (False, None, False, True, 16)])
+                          (True, 3, True, True, 16), (False, None, False, True, 16),
+                          (True, 64, True, False, 32)])        # a window past every length
 def test_native_decode_attention_matches_the_torch_path(cache_dtype, norms, window, sinks,
                                                         interleaved, rot, threads):
     threads(2)
     c = attention_case(7, [1, 6, 13, 9], rot=rot, cache_dtype=cache_dtype)
-    scale = 32 ** -0.5
+    check_decode_step(c, norms, window, sinks, interleaved, 32 ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_decode_attention_odd_head_dims_no_grouping_and_skipped_slots(dtype, threads):
+    # Dh 40 (vector lanes and a scalar tail), Hq == Hk, fp16, and a sequence whose slot is -1
+    # (its K/V not written: it attends over what the cache holds).
+    threads(2)
+    c = attention_case(9, [3, 17, 8], hq=3, hk=3, dh=40, rot=24, cache_dtype=dtype,
+                       dtype=dtype)
+    c["slots"][1] = -1
+    check_decode_step(c, True, None, True, False, 40 ** -0.5)
+
+
+def check_decode_step(c, norms, window, sinks, interleaved, scale):
     step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"] if norms else None,
                                  c["k_norm"] if norms else None, 1e-6, scale, window,
                                  c["sinks"] if sinks else None, interleaved)
@@ -223,14 +246,14 @@ def test_native_decode_attention_matches_the_torch_path(cache_dtype, norms, wind
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     got = step(c["qkv"], c["positions"], c["cos_sin"], kc, vc, c["slots"], c["tables"],
                c["lens"])
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert got.dtype == c["qkv"].dtype and got.shape == want.shape
     # The values land exactly; the keys to a few bf16 steps of their head's scale (HF
     # rounds after the norm and each of rope's products, which cancel).
     assert torch.equal(vc, want_v)
     scale_k = want_k.float().abs().amax(-1, keepdim=True)
     assert ((kc.float() - want_k.float()).abs() <= 2.0 ** -6 * scale_k + 1e-6).all()
     others = torch.ones(kc.shape[:2], dtype=torch.bool)
-    others.view(-1)[c["slots"]] = False
+    others.view(-1)[c["slots"][c["slots"] >= 0]] = False
     assert torch.equal(kc[others], c["k_cache"][others])     # nothing else written
     err = (got.float() - want.float()).abs().max() / want.float().abs().max()
     assert err < 2e-2, err
@@ -262,7 +285,7 @@ def test_native_decode_attention_same_bits_any_threads_and_refuses_bad_tables(th
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family):
+def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family, monkeypatch):
     # A bf16 CPU engine's attention layers take the native decode step (gpt-oss: sliding
     # window and sinks on alternate layers) and generate what the torch path generates, to
     # bf16's ties: a random tiny model's top two logits can be one bf16 step apart, so where
@@ -277,10 +300,20 @@ def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family)
     llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
     attns = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
     assert attns and all(a.cpu_decode is not None for a in attns)
+    calls = []                                      # the native steps taken
+    attn_decode = kernel.attn_decode
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return attn_decode(*args, **kwargs)
+    monkeypatch.setattr(kernel, "attn_decode", counted)
     native = llm.generate(prompts, params)
+    assert len(calls) >= 11 * len(attns)            # every decode step of every layer
     for a in attns:
         a.cpu_decode = None
+    calls.clear()
     torch_path = llm.generate(prompts, params)
+    assert not calls
     agreed = 0
     for got, want in zip(native, torch_path):
         for step, (tok, ref) in enumerate(zip(got.token_ids, want.token_ids)):
@@ -374,14 +407,17 @@ def test_router_routes_natively_once_packed():
     router = Router(64, RouterConfig(num_experts=16, top_k=4, renormalize=True))
     router.weight.data = torch.randn(16, 64) * 0.3
     router = router.to(torch.bfloat16)
-    x = torch.randn(3, 64).bfloat16()
-    want = router.route(x)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     router.pack_cpu()
     assert router.native is kernel
     got = router.route(x)
-    assert got[0].dtype == want[0].dtype
-    assert_same_topk((got[0].float(), got[1]), (want[0].float(), want[1]),
-                     router.logits(x).float())
+    logits = router.logits(x)
+    want = tk.topk_softmax_reference(logits, 4, True)
+    assert got[0].dtype == torch.float32
+    assert_same_topk(got, want, logits.float())
+    f32 = Router(64, RouterConfig(num_experts=16, top_k=4, renormalize=True))
+    f32.pack_cpu()
+    assert f32.native is None                       # a float32 model keeps the reference
     biased = Router(64, RouterConfig(num_experts=16, top_k=4, scoring="sigmoid",
                                      selection_bias=True))
     biased.pack_cpu()

@@ -162,10 +162,17 @@ def test_cpu_engine_packs_its_projections(tiny_model_dir):  # noqa: F811
     # q, k and v: one packed product a layer, its column slices the three projections'.
     assert attns and all(a.qkv_packed is not None and a.q_proj.packed is None for a in attns)
     a = attns[0]
-    x = torch.randn(3, a.q_proj.in_features).bfloat16()
+    x = torch.randn(3, a.q_proj.in_features, generator=torch.Generator().manual_seed(0))
+    x = x.bfloat16()
+    kernel = tk.native_kernels()
     for part, proj in zip(a.qkv_packed(x).split(a.qkv_widths, dim=-1),
                           (a.q_proj, a.k_proj, a.v_proj)):
-        assert torch.equal(part, tk.Fp16Weight(proj.weight, proj.bias)(x))
+        # 3 rows: the native GEMV where it builds (one row's dot product each, as alone),
+        # else FBGEMM's
+        bias = None if proj.bias is None else proj.bias.float()
+        alone = (kernel.linear(x, proj.weight.contiguous(), bias) if kernel is not None
+                 else tk.Fp16Weight(proj.weight, proj.bias)(x))
+        assert torch.equal(part, alone)
     banks = [b.experts for b in model.moe_blocks().values()]
     cpu_bank = tk.NativeBank if tk.native_kernels() else tk.Fp16Bank
     assert banks and all(isinstance(b.bank()["w13"], cpu_bank) and not hasattr(b, "w13")
@@ -185,7 +192,7 @@ def test_cpu_engine_packs_its_projections(tiny_model_dir):  # noqa: F811
     ids = [5, 17, 99, 3, 200, 7, 8, 45, 11]
     f32 = LLM(str(tiny_model_dir("qwen3_moe")), skip_tokenizer_init=True, dtype="float32")
     assert all(m.packed is None for m in f32.runner.model.modules() if isinstance(m, Linear))
-    assert all(b.experts.packed is None and b.gate.packed is None
+    assert all(b.experts.packed is None and b.gate.packed is None and b.gate.native is None
                for b in f32.runner.model.moe_blocks().values())
     want = f32.logits(ids)
     got = llm.logits(ids)

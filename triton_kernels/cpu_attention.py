@@ -30,10 +30,14 @@ class CpuDecodeAttention:
         self.sinks = None if sinks is None else sinks.detach().float().contiguous()
         self.window, self.interleaved = window, interleaved
 
-    @staticmethod
-    def takes(cache: torch.Tensor) -> bool:
-        """Whether the call reads and writes a KV cache of this dtype (16-bit or float32)."""
-        return cache.dtype in _IO_FORMATS
+    def takes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether the call reads and writes these caches: [NB, BS, Hk, Dh] each, one dtype,
+        16-bit or float32, on the CPU (an fp8 cache keeps the torch path)."""
+        _, hk, dh = self.heads
+        return (k_cache.dtype in _IO_FORMATS and v_cache.dtype == k_cache.dtype
+                and k_cache.device.type == "cpu" and k_cache.dim() == 4
+                and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (hk, dh)
+                and k_cache.is_contiguous() and v_cache.is_contiguous())
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -67,18 +67,19 @@ class CpuLinear:
 
 
 def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-               own_weight: bool = False) -> CpuLinear | None:
+               own_weight: bool = False, dtype: torch.dtype | None = None) -> CpuLinear | None:
     """The CPU engine's product for a weight [N, K] on this machine's kernels, None where none
     takes it (outside float16's range where FBGEMM is needed, a torch without FBGEMM).
     - bf16 or fp16: held as it is (own_weight: see CpuLinear).
-    - float32, a weight decoded from a quantized format (fp8, the 4-bit float formats): one
-      2-byte copy, bf16 for the native GEMV and AMX's GEMM where both run (bf16's rounding,
-      the tile decode's), else float16 packed for FBGEMM alone (11 bits from 2^-14 up)."""
+    - float32, a weight decoded from a quantized format (fp8, the 4-bit float formats) for a
+      model computing in `dtype`: one 2-byte copy, bf16 for the native GEMV and AMX's GEMM
+      in a bf16 model where both run (bf16's rounding, the tile decode's), else float16
+      packed for FBGEMM alone (11 bits from 2^-14 up)."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel():
         return None
     kernel, amx = native_kernels(), has_amx_bf16()
     if weight.dtype == torch.float32:
-        if kernel is not None and amx:
+        if kernel is not None and amx and dtype == torch.bfloat16:
             return CpuLinear(weight.bfloat16(), bias, kernel=kernel, amx=True, own_weight=True)
         if not packable(weight, decoded=True):
             return None

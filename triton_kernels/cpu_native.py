@@ -170,8 +170,10 @@ class NativeKernels:
                 and positions.shape == slots.shape == lens.shape == (b,)
                 and positions.dtype == slots.dtype == i64 and lens.dtype == tables.dtype == i32
                 and tables.dim() == 2 and tables.shape[0] == b and tables.is_contiguous()
-                and all(t is None or (t.dtype == f32 and t.is_contiguous())
-                        for t in (q_norm, k_norm, sinks))):
+                and all(t is None or (t.dtype == f32 and t.is_contiguous() and t.shape == (n,))
+                        for t, n in ((q_norm, dh), (k_norm, dh), (sinks, hq)))
+                and all(t.device.type == "cpu" for t in (qkv, k_cache, positions, slots, lens,
+                                                         tables, cos_sin))):
             raise ValueError(f"native decode attention: qkv [B, (Hq + 2Hk) Dh] and caches "
                              f"[NB, BS, Hk, Dh] expected for heads {heads}, got qkv "
                              f"{tuple(qkv.shape)} {qkv.dtype}, caches {tuple(k_cache.shape)} "
@@ -179,6 +181,7 @@ class NativeKernels:
         out = torch.empty(b, hq * dh, dtype=qkv.dtype)
         scratch = torch.empty(b * hq * dh)
         ptr = [0 if t is None else t.data_ptr() for t in (q_norm, k_norm, sinks)]
+        positions, slots, lens = positions.contiguous(), slots.contiguous(), lens.contiguous()
         rc = self._attn_decode(
             qkv.data_ptr(), _IO_FORMATS[qkv.dtype], b, hq, hk, dh, ptr[0], ptr[1], eps,
             cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], int(interleaved),

@@ -74,7 +74,8 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
     if isinstance(w13, NativeBank):     # experts only the CPU computes, by the native kernel
-        if w13.gemm and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS:
+        if (w13.gemm and x.dtype == w13.dtype
+                and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
             # A prefill chunk on an AMX CPU: torch's bf16 products (oneDNN's AMX kernels) an
             # expert at a time, as one grouped call per projection (the loop's ~10 ops an
             # expert cost a 512-token chunk ~5 ms a layer) where it gives the loop's bits,

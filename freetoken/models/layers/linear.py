@@ -86,7 +86,9 @@ def pack_fused(projs) -> tk.CpuLinear | None:
     bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
     dtypes = {d.dtype for d in dense}
     fused = torch.cat([d if len(dtypes) == 1 else d.float() for d in dense])
-    return tk.cpu_linear(fused, bias, own_weight=True)
+    first = projs[0]                            # the model's compute dtype
+    model_dtype = first.dtype if isinstance(first, QuantLinear) else first.weight.dtype
+    return tk.cpu_linear(fused, bias, own_weight=True, dtype=model_dtype)
 
 
 class QuantLinear(nn.Module):
@@ -122,7 +124,7 @@ class QuantLinear(nn.Module):
             return self.packed.nbytes
         if (dense := self.cpu_dense()) is None:
             return 0
-        self.packed = tk.cpu_linear(dense, self.bias)
+        self.packed = tk.cpu_linear(dense, self.bias, dtype=self.dtype)
         return 0 if self.packed is None else self.packed.nbytes
 
     def cpu_dense(self) -> torch.Tensor | None:

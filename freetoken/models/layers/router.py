@@ -70,9 +70,9 @@ class Router(nn.Module):
         The logits are still rounded to x's dtype, as F.linear's. A float32 router keeps
         its exact product. The plain softmax -> top-k runs natively (cpu_route.c: one call
         for torch's four ops). Returns the bytes it added."""
-        self.native = tk.native_kernels() if self.cfg.plain else None
         if self.cfg.float32 or self.weight.dtype not in (torch.bfloat16, torch.float16):
-            return 0
+            return 0                     # (a float32 model keeps the reference's routing)
+        self.native = tk.native_kernels() if self.cfg.plain else None
         self.packed = tk.cpu_linear(self.weight, self.bias)
         return 0 if self.packed is None else self.packed.nbytes
 
