@@ -41,6 +41,15 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture
+def threads():
+    """torch.set_num_threads for one test (the native CPU kernels run on torch's count),
+    the count put back after it."""
+    old = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
 def no_saved_profiles(tmp_path_factory):
     """No `ft bench bw` profile of this machine is read: hybrid's measured K calibrates."""

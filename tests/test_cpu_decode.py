@@ -19,13 +19,6 @@ pytestmark = pytest.mark.skipif(kernel is None,
                                 reason="no C compiler: the native kernels are not built")
 
 
-@pytest.fixture
-def threads():
-    old = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(old)
-
-
 def case(seed, t, n, k, wdtype, xdtype, bias=True):
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(wdtype)

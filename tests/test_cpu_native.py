@@ -15,13 +15,6 @@ pytestmark = pytest.mark.skipif(tk.native_kernels() is None,
                                 reason="no C compiler: the native kernel is not built")
 
 
-@pytest.fixture
-def threads():
-    old = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(old)
-
-
 def reference(c, activation, dtype, biased=True):
     """float32 torch reference on the 16-bit weights, exactly widened."""
     kw = dict(b13=c["b13"].float(), b2=c["b2"].float()) if biased else {}

@@ -226,6 +226,20 @@ static inline void permute_row(const float *src, float *dst, int64_t k) {
         dst[j] = src[j];
 }
 
+/* Within a parallel region, shared among its threads: x [T, K] in xfmt widened to float32
+ * (wide), and for bf16 weights each row in their paired order into xp (xp == wide for fp16
+ * weights). Ends with the worksharing loop's barrier. */
+static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t k, int wfmt,
+                              float *wide, float *xp) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < t_count; t++) {
+        for (int64_t j = 0; j < k; j++)
+            wide[t * k + j] = load_as(x, t * k + j, xfmt);
+        if (wfmt == 0)
+            permute_row(wide + t * k, xp + t * k, k);
+    }
+}
+
 static inline int64_t item_rows(int64_t rows, int64_t threads) {
     int64_t r = rows / (4 * threads) / 16 * 16;
     return r < 16 ? 16 : r > ROWS ? ROWS : r;

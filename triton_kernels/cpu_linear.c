@@ -27,13 +27,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int w
 
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < t_count; t++) {
-            for (int64_t j = 0; j < k; j++)
-                wide[t * k + j] = load_as(x, t * k + j, xfmt);
-            if (wfmt == 0)
-                permute_row(wide + t * k, xp + t * k, k);
-        }                                   /* (the for's implicit barrier) */
+        widen_rows(x, xfmt, t_count, k, wfmt, wide, xp);
         /* item = `rows` weight rows, for every token: one sequential stream (one row at a
          * time) below MAXT tokens, MAXR rows sharing each x load from there. */
         for (;;) {

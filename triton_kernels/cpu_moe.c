@@ -106,13 +106,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
 
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < t_count; t++) {
-            for (int64_t j = 0; j < d; j++)
-                wide[t * d + j] = load_as(x, t * d + j, xfmt);
-            if (fmt == 0)
-                permute_row(wide + t * d, xp + t * d, d);
-        }                                   /* (the for's implicit barrier) */
+        widen_rows(x, xfmt, t_count, d, fmt, wide, xp);
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
             int64_t item = __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
