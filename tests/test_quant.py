@@ -335,8 +335,9 @@ def test_quant_linear_packs_its_decoded_weight_for_the_cpu():
             x = torch.randn(2, rows, 64).bfloat16()
             got = lin(x)
             want = x.double() @ deq.T + lin.bias.double()
-            # fp16's rounding of each weight (2^-11) and the output's (bf16, 2^-8)
-            bound = (x.double().abs() @ deq.abs().T) * 2.0 ** (1 - weight_bits) + want.abs() * 2.0 ** -8
+            # the copy's rounding of each weight and the output's (bf16, 2^-8)
+            bound = ((x.double().abs() @ deq.abs().T) * 2.0 ** (1 - weight_bits)
+                     + want.abs() * 2.0 ** -8)
             assert got.shape == (2, rows, 48) and got.dtype == torch.bfloat16
             assert ((got.double() - want).abs() <= bound + 1e-6).all(), f"{kind} {rows}"
     big = QuantLinear(64, 48, FORMATS["fp8_channel"], bias=False, dtype=torch.bfloat16)

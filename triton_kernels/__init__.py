@@ -40,7 +40,8 @@ from triton_kernels.int4_cpu import Int4Packed, fused_moe_int4_cpu, packable_int
 
 __all__ = [
     "linear", "Fp16Weight", "Fp16Bank", "packable", "packs_fp16", "CpuSplit",
-    "NativeBank", "NativeKernels", "native_kernels", "CpuLinear", "cpu_linear", "CpuDecodeAttention", "has_amx_bf16",
+    "NativeBank", "NativeKernels", "native_kernels", "has_amx_bf16",
+    "CpuLinear", "cpu_linear", "CpuDecodeAttention",
     "kernel_backend", "check_backend", "get_backend", "fixed_configs_scope",
     "rms_norm", "rms_norm_reference",
     "apply_rope", "apply_rope_reference",

@@ -22,7 +22,9 @@
 #include "cpu_dot.h"
 
 /* p[i] in fmt, rounded to it first. */
-static inline void st(void *p, int64_t i, float f, int fmt) { store_as(p, i, round_to(f, fmt), fmt); }
+static inline void st(void *p, int64_t i, float f, int fmt) {
+    store_as(p, i, round_to(f, fmt), fmt);
+}
 
 /* VW values of p from element i on, widened to float32. */
 static inline vf load_vec(const void *p, int64_t i, int fmt) {

@@ -46,6 +46,7 @@ class CpuLinear:
         self.kernel = kernel
         self.gemm = amx and weight.dtype == torch.bfloat16
         weight = weight.detach().contiguous()
+        self.bias16 = None if bias is None else self.bias.to(weight.dtype)     # oneDNN's
         # FBGEMM's packing only for the rows neither other product takes; the weight itself
         # only where a product reads it.
         self.fbgemm = None if (self.gemm and kernel is not None) else Fp16Weight(weight, bias)
@@ -59,8 +60,7 @@ class CpuLinear:
         if self.kernel is not None and n < NATIVE_ROWS:
             y = self.kernel.linear(rows, self.weight, self.bias32)
         elif self.gemm and (self.fbgemm is None or n >= GEMM_ROWS):
-            bias = None if self.bias is None else self.bias.to(self.weight.dtype)
-            y = F.linear(rows.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+            y = F.linear(rows.to(self.weight.dtype), self.weight, self.bias16).to(x.dtype)
         else:
             y = self.fbgemm(rows)
         return y.reshape(*x.shape[:-1], self.out_features)

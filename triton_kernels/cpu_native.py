@@ -1,11 +1,13 @@
-"""The CPU's native kernels (cpu_moe.c, cpu_linear.c, sharing cpu_dot.h): built at first use,
-called through ctypes.
+"""The CPU's native kernels (cpu_moe.c, cpu_linear.c, cpu_attention.c, cpu_norm.c,
+cpu_route.c, sharing cpu_dot.h): one library built at first use, called through ctypes.
 
 torch has no op that takes a list of experts: a decode step's routed experts are hundreds
 of one-thread FBGEMM products with a few us of dispatch each (cpu_matmul.Fp16Bank).
 cpu_moe.c runs a whole MoE layer's experts in one call on torch's OpenMP pool, each weight row
-read once for the tokens routed to its expert. cpu_linear.c is a dense projection of a few
-rows (decode) from the 16-bit weight as it is (cpu_linear.CpuLinear uses it).
+read once for the tokens routed to its expert. The others are a 16-bit CPU engine's decode
+step without torch's per-op dispatch (a few us an op, ~40 ops a layer): a dense projection of
+a few rows from the 16-bit weight as it is (cpu_linear.CpuLinear), an attention layer's step
+after its q/k/v product (cpu_attention.CpuDecodeAttention), RMSNorm, the router's top-k.
 
 Like Triton's launcher stubs, the kernel is compiled on the machine that runs it, by the C
 compiler there (cc -O3 -march=native -fopenmp: this CPU's vector width, AVX2 or AVX-512),
@@ -44,7 +46,7 @@ ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
 
 class NativeKernels:
-    """The loaded library: `moe` (ft_moe, cpu_moe.c), `linear` (ft_linear, cpu_linear.c) and
+    """The loaded library: `moe` (ft_moe, cpu_moe.c), `linear` (ft_linear, cpu_linear.c),
     `attn_decode` (ft_attn_decode, cpu_attention.c), `rms_norm` (ft_rms_norm, cpu_norm.c) and
     `topk_softmax` (ft_topk_softmax, cpu_route.c)."""
 
@@ -79,11 +81,11 @@ class NativeKernels:
         return dtype in _FORMATS
 
     def moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 slot_map: torch.Tensor | None = None, b13: torch.Tensor | None = None,
-                 b2: torch.Tensor | None = None, activation: str = "silu",
-                 alpha: float = 1.702, limit: float = 7.0,
-                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            slot_map: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None, activation: str = "silu",
+            alpha: float = 1.702, limit: float = 7.0,
+            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """x [T, D] (any float dtype) through the routed experts of w13 [S, 2I, D] and
         w2 [S, D, I] (both bf16 or both fp16, contiguous, on the CPU) -> [T, D] in out_dtype
         (bf16, fp16 or float32: summed in float32, rounded once), on torch's thread count."""
@@ -148,7 +150,6 @@ class NativeKernels:
             raise MemoryError("native linear: out of host memory for x's float32 copy")
         return out
 
-
     def attn_decode(self, qkv: torch.Tensor, heads: tuple[int, int, int], q_norm, k_norm,
                     eps: float, cos_sin: torch.Tensor, interleaved: bool,
                     positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -196,7 +197,6 @@ class NativeKernels:
             raise MemoryError("native decode attention: out of host memory for its scratch")
         return out
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
         """rms_norm_reference's arithmetic for 16-bit rows x [T, D] (weight [D] and residual
@@ -204,6 +204,7 @@ class NativeKernels:
         residual."""
         t, d = x.shape
         if not (x.dtype in _FORMATS and weight.dtype == x.dtype and weight.shape == (d,)
+                and x.device.type == weight.device.type == "cpu"
                 and (residual is None or (residual.shape == x.shape
                                           and residual.dtype == x.dtype))):
             raise ValueError(f"native rms_norm: 16-bit x [T, D] with weight [D] (and residual) "
@@ -218,13 +219,12 @@ class NativeKernels:
                        0 if res_out is None else res_out.data_ptr(), torch.get_num_threads())
         return out if residual is None else (out, res_out)
 
-
     def topk_softmax(self, logits: torch.Tensor, top_k: int,
                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """topk_softmax_reference for CPU logits [T, E] (16-bit or float32): (weights [T, k]
         float32, ids [T, k] int64), largest first."""
         t, e = logits.shape
-        if not (logits.dtype in _IO_FORMATS and 1 <= top_k <= e):
+        if not (logits.dtype in _IO_FORMATS and 1 <= top_k <= e and logits.device.type == "cpu"):
             raise ValueError(f"native top-k softmax: logits [T, E] with 1 <= k <= E expected, "
                              f"got {tuple(logits.shape)} {logits.dtype}, k={top_k}")
         logits = logits.contiguous()

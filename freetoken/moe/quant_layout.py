@@ -118,8 +118,9 @@ class QuantExpertLayout(ExpertLayout):
         - the formats torch's CPU has no GEMM for (fp8, mxfp4, nvfp4, INT4 the int4 GEMM
           refuses), in a 16-bit model, where spare_bytes (host RAM the caller can give) hold
           2 bytes a weight: each expert decoded once, for the native kernel, in bfloat16
-          in a bf16 model on an AMX CPU, else in float16 (cpu_native.NativeBank.decoded; bfloat16 where an
-          expert is beyond float16's range) or, without one, packed for the fp16-weight GEMM (cpu_matmul.Fp16Bank.decoded,
+          in a bf16 model on an AMX CPU, else in float16 (cpu_native.NativeBank.decoded;
+          bfloat16 where an expert is beyond float16's range) or, without one, packed for the
+          fp16-weight GEMM (cpu_matmul.Fp16Bank.decoded,
           split: the CPU engine's CpuSplit; a layer with an expert beyond float16's range
           keeps the bank as it is), replacing the tile decode at every call (3-9x a bf16
           layer's time, bench/cpu_moe.py). float16 keeps 11 bits of a decoded value from

@@ -104,8 +104,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
         k_cache, v_cache = batch.kv.layer(self.layer_idx)
+        # A CPU engine's pure decode step: one native call after the fused product.
         if (self.cpu_decode is not None and batch.max_seqlen_q == 1
-                and self.cpu_decode.takes(k_cache, v_cache)):            # a CPU engine's decode step
+                and self.cpu_decode.takes(k_cache, v_cache)):
             o = self.cpu_decode(self.qkv_packed(x), batch.positions, self.rope.cos_sin,
                                 k_cache, v_cache, batch.slot_mapping, batch.block_tables,
                                 batch.seq_lens)

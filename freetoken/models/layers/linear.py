@@ -111,8 +111,9 @@ class QuantLinear(nn.Module):
         - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py), as many
           bytes.
         - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
-          GEMM for: decoded once into float16 for the CPU's products (cpu_linear.CpuLinear:
-          the native GEMV, FBGEMM's fp16 GEMM), 2-4 bytes a weight, instead of decoded at every call
+          GEMM for: decoded once into a 2-byte copy for the CPU's products (cpu_linear: bf16
+          for the native GEMV and AMX's GEMM in a bf16 model on an AMX CPU, else fp16 for the
+          fp16-weight GEMM), instead of decoded at every call
           (dequant_cpu.py: 3-8x a bf16 product; an fp8 CPU engine's decode steps ran at 0.28x
           the bf16 model's). float16 keeps 11 bits of a decoded value from 2^-14 up (bf16's
           reference 8; below, an absolute 2^-25 at most); a weight beyond float16's range
