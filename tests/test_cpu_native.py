@@ -132,3 +132,72 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="false -O3"):
         cpu_native._build()
     assert not list((tmp_path / "other" / "native").glob("*.so"))
+
+
+# ---- fp8 experts from their bytes (cpu_dot.h's load_e4m3, NativeFp8Bank) ---------------------
+
+def fp8_bank(w, bn, bk):
+    """w [E, N, K] quantized to e4m3 with one float32 scale per (bn, bk) block (ragged at the
+    edges), and its exact float32 decoding."""
+    e, n, k = w.shape
+    rb, cb = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(e, rb * bn, cb * bk)
+    pad[:, :n, :k] = w.float()
+    blocks = pad.view(e, rb, bn, cb, bk)
+    s = blocks.abs().amax(dim=(2, 4)) / 448 + 1e-12                              # [E, rb, cb]
+    q = (blocks / s[:, :, None, :, None]).view(e, rb * bn, cb * bk)[:, :n, :k]
+    q = q.to(torch.float8_e4m3fn).contiguous()
+    q.view(torch.uint8)[0, 0, :8] = torch.arange(8, dtype=torch.uint8)       # every subnormal
+    q.view(torch.uint8)[0, 1, :8] = torch.arange(8, dtype=torch.uint8) | 0x80
+    deq = q.float() * s.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    return q, s.contiguous(), deq
+
+
+@pytest.mark.parametrize("d,i,bn,bk", [(64, 32, 16, 32), (72, 40, 32, 16), (256, 128, 128, 128)])
+@pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])
+def test_native_fp8_moe_matches_the_decoded_reference(d, i, bn, bk, activation, threads):
+    # Blocks that tile the banks, ragged ones (rows and columns of a block past the edge, and
+    # blocks that a 4-row tile would straddle), 1 to 40 tokens; against the float32 reference
+    # on the exactly decoded weights, subnormal e4m3 codes included.
+    threads(2)
+    kernel = tk.native_kernels()
+    for t in (1, 3, 9, 40):
+        c = biased_experts(seed=t, t=t, d=d, i=i, e=6, k=2, pool=9)
+        q13, s13, deq13 = fp8_bank(c["w13"], bn, bk)
+        q2, s2, deq2 = fp8_bank(c["w2"], bn, bk)
+        got = kernel.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"], c["b13"],
+                         c["b2"], activation.kind, activation.alpha, activation.limit,
+                         scales=(s13, s2), block=(bn, bk))
+        want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
+                                   c["slot_map"], b13=c["b13"].float(), b2=c["b2"].float(),
+                                   activation=activation)
+        assert rel(got, want) < 1e-5, (t, rel(got, want))
+
+
+def test_native_fp8_banks_through_fused_moe(threads):
+    c = biased_experts(seed=6, t=7, d=64, i=32)
+    kernel = tk.native_kernels()
+    q13, s13, deq13 = fp8_bank(c["w13"], 32, 32)
+    q2, s2, deq2 = fp8_bank(c["w2"], 32, 32)
+    b13, b2 = tk.NativeFp8Bank(q13, s13, (32, 32), kernel), tk.NativeFp8Bank(q2, s2, (32, 32), kernel)
+    assert b13.nbytes == q13.numel() + s13.numel() * 4
+    outs = []
+    for n in (1, 2, 3):
+        threads(n)
+        outs.append(tk.fused_moe(c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"],
+                                 b13=c["b13"].float(), b2=c["b2"].float()))
+    assert outs[0].dtype == torch.bfloat16
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])   # any thread count
+    want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
+                               c["slot_map"], b13=c["b13"].float(), b2=c["b2"].float())
+    assert rel(outs[0], want) < 1e-2
+    with pytest.raises(ValueError, match="native banks"):
+        tk.fused_moe(c["x"], b13, tk.NativeBank(c["w2"], kernel), c["weights"], c["ids"],
+                     c["slot_map"])
+    with pytest.raises(ValueError, match="block scales"):        # scales of another block
+        kernel.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"], scales=(s13, s2),
+                   block=(16, 16))
+    with pytest.raises(ValueError, match="block scales"):
+        kernel.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"])
+    with pytest.raises(ValueError, match="NativeFp8Bank"):
+        tk.NativeFp8Bank(q13, s13[:, :1], (32, 32), kernel)

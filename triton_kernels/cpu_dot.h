@@ -1,8 +1,9 @@
 /* What the CPU's native kernels share (cpu_moe.c: a MoE layer's experts; cpu_linear.c: a
- * dense projection): 16-bit weight rows widened in registers and their dot products with
- * float32 activations, a tile of rows by tokens at a time.
+ * dense projection; the others' loads and roundings): weight rows widened in registers and
+ * their dot products with float32 activations, a tile of rows by tokens at a time.
  *
- * Weight formats (fmt): 0 bf16, 1 fp16. VW: float32 lanes of a vector (16 with AVX-512).
+ * Weight formats (fmt): 0 bf16, 1 fp16, 3 fp8 e4m3 (the raw bytes; their block scales are
+ * the caller's: it scales x). VW: float32 lanes of a vector (16 with AVX-512).
  */
 #ifndef FT_CPU_DOT_H
 #define FT_CPU_DOT_H
@@ -29,6 +30,65 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(VW * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
 typedef _Float16 vh __attribute__((vector_size(VW * 2)));
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
+
+#define FT_E4M3 3
+
+/* VW e4m3 bytes, exactly: sign, exponent and mantissa moved into float16's places give the
+ * value / 2^8 (the biases are 7 and 15; e4m3's subnormals land on float16's), widened by
+ * vcvtph2ps, then * 2^8. (Through float32's places instead, a subnormal e4m3 weight is a
+ * float32 denormal, and each multiply that meets one takes a microcode assist: a layer ran
+ * 5x slower.) e4m3fn's nan, 0x7f, reads as 480: checkpoints hold none. */
+static inline __attribute__((always_inline)) vf load_e4m3(const uint8_t *p) {
+    vf f;
+#if VW == 16
+    /* (Intrinsics: GCC split the vector form's widening into 128-bit halves, 1.6x the time.) */
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 8), _mm256_set1_epi16(-0x8000)),
+                        _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(0x3f80)));
+    __m512 v = _mm512_cvtph_ps(h);
+    memcpy(&f, &v, sizeof f);
+#else
+    vu8 b;
+    memcpy(&b, p, sizeof b);
+    vu16 h = __builtin_convertvector(b, vu16);
+    h = (vu16)(((h & 0x80) << 8) | ((h & 0x7f) << 7));
+#if defined(__F16C__)
+    __m128i hv;
+    memcpy(&hv, &h, sizeof hv);
+    __m256 v = _mm256_cvtph_ps(hv);
+    memcpy(&f, &v, sizeof f);
+#else
+    vh hv;
+    memcpy(&hv, &h, sizeof hv);
+    f = __builtin_convertvector(hv, vf);
+#endif
+#endif
+    return f * 256.f;
+}
+
+static inline float scalar_e4m3(uint8_t b) {
+    uint16_t h = (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+    _Float16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v * 256.f;
+}
+
+/* Row `row` of a weight of rows of k elements in fmt. */
+static inline const void *row_at(const void *base, int64_t row, int64_t k, int fmt) {
+    return (const char *)base + row * k * (fmt == FT_E4M3 ? 1 : 2);
+}
+
+/* dst = x * its block's scale, column j's scale srow[j / bk]: an fp8 row block's x. */
+static inline void scale_row(const float *x, float *dst, int64_t k, const float *srow,
+                             int64_t bk) {
+    for (int64_t c0 = 0; c0 < k; c0 += bk) {         /* a block at a time: no division */
+        const float sc = srow[c0 / bk];
+        const int64_t c1 = c0 + bk < k ? c0 + bk : k;
+        for (int64_t j = c0; j < c1; j++)
+            dst[j] = x[j] * sc;
+    }
+}
 
 static inline __attribute__((always_inline)) vf load_w(const uint16_t *p, const int fmt) {
     if (fmt == 0) {                        /* bf16: the high half of a float32 */
@@ -142,7 +202,7 @@ static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
  * halves share one accumulator (enough chains to hide the FMA's latency, and 16 of
  * AVX-512's 32 registers); below, two. */
 static inline __attribute__((always_inline)) void
-dot_tile(const uint16_t *const *w, const float *const *x, const int k, const int NR,
+dot_tile(const void *const *w, const float *const *x, const int k, const int NR,
          const int NT, const int fmt, float *res) {
     const int C = NR * NT >= 8 ? 1 : 2;
     vf acc[2][MAXR][MAXT];                 /* [chain][row][token] */
@@ -173,13 +233,16 @@ dot_tile(const uint16_t *const *w, const float *const *x, const int k, const int
             vf lo, hi;
             if (fmt == 0) {
                 vu32 lanes;
-                memcpy(&lanes, w[r] + j, sizeof lanes);
+                memcpy(&lanes, (const uint16_t *)w[r] + j, sizeof lanes);
                 vu32 a = lanes << 16, b = lanes & 0xffff0000u;
                 memcpy(&lo, &a, sizeof lo);
                 memcpy(&hi, &b, sizeof hi);
+            } else if (fmt == FT_E4M3) {
+                lo = load_e4m3((const uint8_t *)w[r] + j);
+                hi = load_e4m3((const uint8_t *)w[r] + j + VW);
             } else {
-                lo = load_w(w[r] + j, 1);
-                hi = load_w(w[r] + j + VW, 1);
+                lo = load_w((const uint16_t *)w[r] + j, 1);
+                hi = load_w((const uint16_t *)w[r] + j + VW, 1);
             }
             #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
@@ -194,19 +257,21 @@ dot_tile(const uint16_t *const *w, const float *const *x, const int k, const int
         for (int t = 0; t < NT; t++) {
             float s = hsum(C == 1 ? acc[0][r][t] : acc[0][r][t] + acc[1][r][t]);
             for (int q = j; q < k; q++)
-                s += scalar_w(w[r] + q, fmt) * x[t][q];
+                s += (fmt == FT_E4M3 ? scalar_e4m3(((const uint8_t *)w[r])[q])
+                                     : scalar_w((const uint16_t *)w[r] + q, fmt)) * x[t][q];
             res[r * MAXT + t] = s;
         }
 }
 
 /* The tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time: one specialised
  * body per shape. */
-static inline void dots(const uint16_t *const *w, const float *const *x, int k, int nr, int nt,
-                 int fmt, float *res) {
+static inline void dots(const void *const *w, const float *const *x, int k, int nr, int nt,
+                        int fmt, float *res) {
 #define CASE(R, T)                                              \
     if (nr == R && nt == T) {                                   \
         if (fmt == 0) dot_tile(w, x, k, R, T, 0, res);          \
-        else dot_tile(w, x, k, R, T, 1, res);                   \
+        else if (fmt == 1) dot_tile(w, x, k, R, T, 1, res);     \
+        else dot_tile(w, x, k, R, T, FT_E4M3, res);             \
         return;                                                 \
     }
     CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)

@@ -43,7 +43,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int w
                 const int together = nt >= MAXT ? MAXR : 1;
                 for (int64_t r = r0; r < r1;) {
                     int nr = r + together <= r1 ? together : 1;
-                    const uint16_t *ws[MAXR];
+                    const void *ws[MAXR];
                     for (int q = 0; q < nr; q++)
                         ws[q] = w + (r + q) * k;
                     float res[MAXR * MAXT];

@@ -37,10 +37,14 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
 
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
            const float *wts,
-           int64_t t_count, int64_t k_count, const uint16_t *w13, const uint16_t *w2,
+           int64_t t_count, int64_t k_count, const void *w13, const void *w2,
+           const float *s13, const float *s2, int64_t bn, int64_t bk,
            const float *b13, const float *b2, int64_t slots, int64_t d, int64_t width,
            int fmt, int kind, float alpha, float limit, int threads, float *act, float *acc,
            void *out, int ofmt) {
+    /* fp8: the scales of row block rb and column block cb of an expert's w13 and w2. */
+    const int64_t rb13 = (2 * width + bn - 1) / bn, cb13 = (d + bk - 1) / bk;
+    const int64_t rb2 = (d + bn - 1) / bn, cb2 = (width + bk - 1) / bk;
     const int64_t pairs = t_count * k_count;
     /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
@@ -103,13 +107,23 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     const int64_t down_rows = item_rows(d, threads);
     const int64_t i_blocks = (width + up_rows - 1) / up_rows, d_blocks = (d + down_rows - 1) / down_rows;
     int64_t next_up = 0, next_down = 0;     /* work items taken (shared counters) */
+    int failed = 0, team = 0;               /* fp8: threads without scratch, of the team */
 
 #pragma omp parallel num_threads(threads)
     {
+        /* fp8: this thread's x and activations scaled by a row block's column scales. */
+        float *xsc = fmt == FT_E4M3 ? malloc(MAXT * (d > width ? d : width) * sizeof *xsc)
+                                    : NULL;
+        /* A thread without it takes no items (the others take them all). */
+        const int idle = fmt == FT_E4M3 && !xsc;
+        if (idle)
+            __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp single nowait
+        team = omp_get_num_threads();
         widen_rows(x, xfmt, t_count, d, fmt, wide, xp);
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
-            int64_t item = __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
+            int64_t item = idle ? n_used * i_blocks : __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
             if (item >= n_used * i_blocks)
                 break;
             int64_t s = used[item / i_blocks], i0 = (item % i_blocks) * up_rows;
@@ -127,12 +141,29 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 const int together = rows_together(n);
                 for (int half = 0; half < 2; half++) {
                     float (*res)[MAXT] = half ? u : g;
+                    int64_t block = -1;             /* fp8: the row block xsc is scaled for */
+                    const float *xv[MAXT];
+                    for (int t = 0; t < nt; t++)
+                        xv[t] = xs[t];
                     for (int64_t i = i0; i < i1;) {
+                        int64_t row = half * width + i;           /* the expert's w13 row */
                         int nr = i + together <= i1 ? together : 1;
-                        const uint16_t *w[MAXR];
+                        if (fmt == FT_E4M3) {
+                            if ((row + nr - 1) / bn != row / bn)
+                                nr = 1;                 /* a tile within one row block */
+                            if (row / bn != block) {
+                                block = row / bn;
+                                for (int t = 0; t < nt; t++) {
+                                    scale_row(xs[t], xsc + t * d, d,
+                                              s13 + (s * rb13 + block) * cb13, bk);
+                                    xv[t] = xsc + t * d;
+                                }
+                            }
+                        }
+                        const void *w[MAXR];
                         for (int r = 0; r < nr; r++)
-                            w[r] = w13 + (s * 2 * width + half * width + i + r) * d;
-                        dots(w, xs, (int)d, nr, nt, fmt, res[i - i0]);
+                            w[r] = row_at(w13, s * 2 * width + row + r, d, fmt);
+                        dots(w, xv, (int)d, nr, nt, fmt, res[i - i0]);
                         i += nr;
                     }
                 }
@@ -151,7 +182,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
 #pragma omp barrier
         /* Down: item = down_rows output rows of every token, summed over its experts by slot. */
         for (;;) {
-            int64_t item = __atomic_fetch_add(&next_down, 1, __ATOMIC_RELAXED);
+            int64_t item = idle ? d_blocks : __atomic_fetch_add(&next_down, 1, __ATOMIC_RELAXED);
             if (item >= d_blocks)
                 break;
             int64_t r0 = item * down_rows, r1 = r0 + down_rows < d ? r0 + down_rows : d;
@@ -163,17 +194,30 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 int64_t n = start[s + 1] - start[s];
                 for (int64_t t0 = 0; t0 < n; t0 += MAXT) {
                     int nt = n - t0 < MAXT ? (int)(n - t0) : MAXT;
-                    const float *hs[MAXT];
+                    const float *hs[MAXT], *hv[MAXT];
                     for (int t = 0; t < nt; t++)
-                        hs[t] = act + mine[t0 + t] * width;
+                        hv[t] = hs[t] = act + mine[t0 + t] * width;
                     const int together = rows_together(n);
+                    int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
                         int nr = r + together <= r1 ? together : 1;
-                        const uint16_t *w[MAXR];
+                        if (fmt == FT_E4M3) {
+                            if ((r + nr - 1) / bn != r / bn)
+                                nr = 1;
+                            if (r / bn != block) {
+                                block = r / bn;
+                                for (int t = 0; t < nt; t++) {
+                                    scale_row(hs[t], xsc + t * width, width,
+                                              s2 + (s * rb2 + block) * cb2, bk);
+                                    hv[t] = xsc + t * width;
+                                }
+                            }
+                        }
+                        const void *w[MAXR];
                         for (int q = 0; q < nr; q++)
-                            w[q] = w2 + (s * d + r + q) * width;
+                            w[q] = row_at(w2, s * d + r + q, width, fmt);
                         float res[MAXR * MAXT];
-                        dots(w, hs, (int)width, nr, nt, fmt, res);
+                        dots(w, hv, (int)width, nr, nt, fmt, res);
                         for (int q = 0; q < nr; q++)
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];
@@ -188,8 +232,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 for (int64_t r = r0; r < r1; r++)
                     store_as(out, t * d + r, round_to(acc[t * d + r], ofmt), ofmt);
         }
+        free(xsc);
     }
     free(wide);
     free(start), free(order), free(used);
-    return 0;
+    return failed && failed == team ? -1 : 0;
 }

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
 from triton_kernels.cpu_linear import GEMM_ROWS
-from triton_kernels.cpu_native import NativeBank, moe_native
+from triton_kernels.cpu_native import NativeBank, NativeFp8Bank, moe_native
 from triton_kernels.moe_align import moe_align
 
 
@@ -73,18 +73,13 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         activation: MoeActivation = SILU) -> torch.Tensor:
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
+    if isinstance(w13, NativeFp8Bank):  # fp8 experts only the CPU computes, from their bytes
+        return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, NativeBank):     # experts only the CPU computes, by the native kernel
-        if (w13.gemm and x.dtype == w13.dtype
-                and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
-            # A prefill chunk on an AMX CPU: torch's bf16 products (oneDNN's AMX kernels) an
-            # expert at a time, as one grouped call per projection (the loop's ~10 ops an
-            # expert cost a 512-token chunk ~5 ms a layer) where it gives the loop's bits,
-            # else HF's loop; the banks' float32 biases in x's dtype as HF keeps them.
-            biases = [None if b is None else b.to(x.dtype) for b in (b13, b2)]
-            exact = _grouped_exact(x, w2.weight, activation)
-            run = _moe_grouped_torch if exact else _moe_loop_torch
-            return run(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, *biases,
-                       activation)
+        prefill = _amx_prefill(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                               activation)
+        if prefill is not None:
+            return prefill
         return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, Fp16Bank):       # experts only the CPU computes, packed for its GEMM
         _check_packed(x, w13, w2)
@@ -118,6 +113,21 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if _grouped_exact(x, w2, activation) and 2 * used.numel() >= int(used[-1] - used[0]) + 1:
         run = _moe_grouped_torch
     return run(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
+
+
+def _amx_prefill(x, w13: NativeBank, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                 activation) -> torch.Tensor | None:
+    """A prefill chunk on an AMX CPU (GEMM_ROWS (token, expert) pairs an expert and more, x
+    in the bank's bf16): torch's bf16 products (oneDNN's AMX kernels) an expert at a time, as
+    one grouped call per projection (the loop's ~10 ops an expert cost a 512-token chunk
+    ~5 ms a layer) where it gives the loop's bits, else HF's loop; the banks' float32 biases
+    in x's dtype as HF keeps them. None where it does not apply."""
+    if not (w13.gemm and isinstance(w2, NativeBank) and x.dtype == w13.dtype == w2.dtype
+            and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
+        return None
+    biases = [None if b is None else b.to(x.dtype) for b in (b13, b2)]
+    run = _moe_grouped_torch if _grouped_exact(x, w2.weight, activation) else _moe_loop_torch
+    return run(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, *biases, activation)
 
 
 def _grouped_exact(x, w2, activation) -> bool:
@@ -760,6 +770,7 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map, b13=None, b2=N
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None, b2=None,
               activation: MoeActivation = SILU):
-    op = (fused_moe_triton if use_triton(x) and not isinstance(w13, (Fp16Bank, NativeBank))
+    op = (fused_moe_triton if use_triton(x)
+          and not isinstance(w13, (Fp16Bank, NativeBank, NativeFp8Bank))
           else fused_moe_reference)
     return op(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13, b2=b2, activation=activation)

@@ -159,8 +159,11 @@ def _unregister(ptrs: list[int]) -> None:
 def _packed_bytes(bank: dict, source: dict | None = None) -> int:
     """A packed bank's bytes: its w13 and w2 (the biases are the checkpoint bank's own), less
     those a native bank reads in place from source's tensors."""
-    def own(which: str) -> bool:
-        packed, t = bank[which], (source or {}).get(which)
-        return not (isinstance(packed, tk.NativeBank) and isinstance(t, torch.Tensor)
-                    and packed.weight.data_ptr() == t.data_ptr())
-    return sum(bank[which].nbytes for which in ("w13", "w2") if own(which))
+    def own(which: str) -> int:
+        packed, src = bank[which], source or {}
+        t = src.get(f"{which}.q" if isinstance(packed, tk.NativeFp8Bank) else which)
+        in_place = isinstance(t, torch.Tensor) and t.data_ptr() == (
+            packed.q.data_ptr() if isinstance(packed, tk.NativeFp8Bank)
+            else packed.weight.data_ptr() if isinstance(packed, tk.NativeBank) else -1)
+        return 0 if in_place else packed.nbytes
+    return sum(own(which) for which in ("w13", "w2"))
