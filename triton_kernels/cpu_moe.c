@@ -13,8 +13,11 @@
  * Shapes (P = T * k (token, expert) pairs, S slots in the banks, D hidden, I expert width):
  *   x [T, D] in xfmt (0 bf16, 1 fp16, 2 f32), ids [T, k] i64 (expert ids; slot_map [n_map]
  *   i64 maps them to slots, or NULL),
- *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] 16-bit (fmt: 0 bf16, 1 fp16), rows
- *   [0, I) of w13 the gate and [I, 2I) the up; b13 [S, 2I] and b2 [S, D] f32 or NULL;
+ *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] (fmt: 0 bf16, 1 fp16, 3 fp8 e4m3), rows
+ *   [0, I) of w13 the gate and [I, 2I) the up; fp8: s13 [S, ceil(2I/bn), ceil(D/bk)] and
+ *   s2 [S, ceil(D/bn), ceil(I/bk)] f32, the scale of each (bn, bk) block (x is scaled per
+ *   block instead of the weights: a row block's x once for its rows), else NULL;
+ *   b13 [S, 2I] and b2 [S, D] f32 or NULL;
  *   act [P, I] f32 and acc [T, D] f32 scratch; out [T, D] in ofmt (as xfmt; rounded once);
  *   threads: the team (the caller's torch thread count).
  * Each output element is summed in one fixed order (the k experts of a token by slot, each
@@ -33,6 +36,25 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
     g = fminf(g, limit);                    /* gpt-oss: clamped, (up + 1) * gate * sigmoid(alpha gate) */
     u = fminf(fmaxf(u, -limit), limit);
     return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
+}
+
+/* fp8: a tile of nr weight rows from `row` kept within one row block of bn rows (else one
+ * row), and xv the nt tokens' xs scaled by that block's column scales (scales [row blocks,
+ * cb] of this expert), rescaled into xsc [MAXT, k] when the block changes (*block: the
+ * block xv holds). Returns the tile's rows. */
+static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t *block,
+                           const float *const *xs, const float **xv, int nt, float *xsc,
+                           int64_t k, const float *scales, int64_t cb) {
+    if ((row + nr - 1) / bn != row / bn)
+        nr = 1;
+    if (row / bn != *block) {
+        *block = row / bn;
+        for (int t = 0; t < nt; t++) {
+            scale_row(xs[t], xsc + t * k, k, scales + *block * cb, bk);
+            xv[t] = xsc + t * k;
+        }
+    }
+    return nr;
 }
 
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
@@ -148,18 +170,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     for (int64_t i = i0; i < i1;) {
                         int64_t row = half * width + i;           /* the expert's w13 row */
                         int nr = i + together <= i1 ? together : 1;
-                        if (fmt == FT_E4M3) {
-                            if ((row + nr - 1) / bn != row / bn)
-                                nr = 1;                 /* a tile within one row block */
-                            if (row / bn != block) {
-                                block = row / bn;
-                                for (int t = 0; t < nt; t++) {
-                                    scale_row(xs[t], xsc + t * d, d,
-                                              s13 + (s * rb13 + block) * cb13, bk);
-                                    xv[t] = xsc + t * d;
-                                }
-                            }
-                        }
+                        if (fmt == FT_E4M3)
+                            nr = fp8_rows(row, nr, bn, bk, &block, xs, xv, nt, xsc, d,
+                                          s13 + s * rb13 * cb13, cb13);
                         const void *w[MAXR];
                         for (int r = 0; r < nr; r++)
                             w[r] = row_at(w13, s * 2 * width + row + r, d, fmt);
@@ -201,18 +214,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
                         int nr = r + together <= r1 ? together : 1;
-                        if (fmt == FT_E4M3) {
-                            if ((r + nr - 1) / bn != r / bn)
-                                nr = 1;
-                            if (r / bn != block) {
-                                block = r / bn;
-                                for (int t = 0; t < nt; t++) {
-                                    scale_row(hs[t], xsc + t * width, width,
-                                              s2 + (s * rb2 + block) * cb2, bk);
-                                    hv[t] = xsc + t * width;
-                                }
-                            }
-                        }
+                        if (fmt == FT_E4M3)
+                            nr = fp8_rows(r, nr, bn, bk, &block, hs, hv, nt, xsc, width,
+                                          s2 + s * rb2 * cb2, cb2);
                         const void *w[MAXR];
                         for (int q = 0; q < nr; q++)
                             w[q] = row_at(w2, s * d + r + q, width, fmt);
