@@ -122,7 +122,8 @@ class QuantExpertLayout(ExpertLayout):
             return None
         w = [self.weights(bank, which) for which in ("w13", "w2")]
         if not all(isinstance(t, dict) and set(t) == {"q", "s"} and t["q"].device.type == "cpu"
-                   and t["q"].dtype == tk.NativeFp8Bank.dtype for t in w):
+                   and t["q"].dtype == tk.NativeFp8Bank.dtype and t["s"].dtype == torch.float32
+                   for t in w):
             return None
         return kernel
 
