@@ -117,6 +117,44 @@ def test_freed_host_memory_keeps_its_pages():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1000
 
 
+def _huge_kb() -> int:
+    """This process's anonymous memory on huge pages, kB (0: no smaps_rollup)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.startswith("AnonHugePages"))
+    except OSError:
+        return 0
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read()
+    except OSError:
+        return "[never]"
+
+
+def test_weights_go_on_huge_pages():
+    # A tensor advised before it is written (as the runner advises the weights before
+    # loading) and one written first, then collapsed (the copies packing makes): both end on
+    # 2 MB pages where the kernel has THP, with their values; small ones are left alone.
+    from freetoken.utils.heap import huge_pages
+    if "[never]" in _thp_mode():
+        pytest.skip("transparent huge pages are off here")
+    fresh = torch.empty(16 << 20, dtype=torch.uint8)
+    before = _huge_kb()
+    assert huge_pages([fresh, fresh[:100]]) >= 12 << 20        # its whole 2 MB pages, once
+    fresh.fill_(3)
+    written = torch.arange(4 << 20, dtype=torch.float32)       # 16 MB, touched 4 KB at a time
+    want = written.clone()
+    got = huge_pages([written], collapse=True)
+    if got == 0:
+        pytest.skip("no MADV_COLLAPSE (Linux < 6.1) or the kernel refused")
+    assert got >= 12 << 20 and torch.equal(written, want) and bool((fresh == 3).all())
+    assert _huge_kb() - before >= 20 << 10                     # both tensors' pages, kB
+    assert huge_pages([torch.empty(1 << 19)]) == 0              # 2 MB, under 4: left alone
+
+
 def test_banks_of_threaded_experts_are_not_split(two_threads):
     # Experts of 1M weights and more take FBGEMM's threaded entry point, on every core
     # already: the split leaves them alone (on a many-core box it would cap them at two).

@@ -29,7 +29,7 @@ from freetoken.models.quant.apply import describe_parts
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
 from freetoken.moe.runtime import MoeRuntime
 from freetoken.moe.store import ExpertStore
-from freetoken.utils.heap import keep_freed_heap
+from freetoken.utils.heap import huge_pages, keep_freed_heap
 from freetoken.utils.memory import host_available_bytes
 
 log = logging.getLogger("freetoken.engine")
@@ -75,6 +75,8 @@ class ModelRunner:
                       for i in (self.expert_store.layers if self.expert_store else ())}
         self.cache_specs = model.cache_specs()
         model = materialize(model, self.device, host_banks)
+        if self.device.type == "cpu":       # the weights a CPU forward streams: 2 MB pages
+            huge_pages(list(model.parameters()))                  # (before they are written)
         load_weights(model, checkpoint_files(self.model_dir), progress)
         self.model = model.eval().requires_grad_(False)
         # A CPU engine's second core for what torch runs on one (a prefill chunk's experts:
@@ -112,6 +114,9 @@ class ModelRunner:
             log.warning("moe_trace=%s records nothing: every expert stays on the device (%s); "
                         "a trace needs experts in host RAM (e.g. moe_backend=offload)",
                         config.moe.trace_path, self.moe_plan.reason)
+        if self.device.type == "cpu":       # and the copies packing wrote (decoded, fused)
+            huge = huge_pages(_cpu_weights(self.model), collapse=True)
+            log.info("CPU: %.1f MiB of weights on 2 MB pages", huge / 2**20)
         self.model.init_rope(self.max_model_len, self.device)
         num_slots = self._num_state_slots()
         per_slot = bytes_per_slot(self.cache_specs, self.dtype)
@@ -337,3 +342,18 @@ class ModelRunner:
             batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
         with triton_kernels.kernel_backend(self.config.kernel_backend):
             return self.model(batch)
+
+
+def _cpu_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors a CPU engine's forward streams: the parameters and buffers, and the copies
+    packing made (fused projections, decoded expert banks; NativeFp8Bank's bytes)."""
+    out = list(model.parameters()) + list(model.buffers())
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, triton_kernels.CpuLinear) and v.weight is not None:
+                out.append(v.weight)
+            elif isinstance(v, dict):
+                out += [b.q if isinstance(b, triton_kernels.NativeFp8Bank) else b.weight
+                        for b in v.values()
+                        if isinstance(b, (triton_kernels.NativeBank, triton_kernels.NativeFp8Bank))]
+    return out

@@ -11,7 +11,13 @@ prefill of 512 tokens through the bench model: 150k page faults, ~0.4 s of kerne
 peak, which the next forward allocates again).
 
 mallopt is process-wide, like torch's thread count; a CPU engine's runner sets it when it
-starts. A GPU engine leaves it: host expert banks under 32 MB would then share heap pages,
+starts.
+
+The weights a CPU forward streams go on 2 MB pages (huge_pages, after loading): every decode
+step reads the active experts and the dense part, hundreds of MB over 4 KB pages, a TLB miss
+every page. Measured on a 2-core Xeon (bench model, bf16): a batch-1 step 16.9 -> 15.2 ms,
+batch 8 58 -> 52.5, prefill +5-10%. torch allocates without MADV_HUGEPAGE, and where THP is
+"madvise" (a common default) nothing gets huge pages unless asked. A GPU engine leaves it: host expert banks under 32 MB would then share heap pages,
 and page-locking one in place (cudaHostRegister) can refuse a page already registered.
 Elsewhere than glibc (musl, macOS) it is left alone.
 """
@@ -25,6 +31,8 @@ import logging
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3     # glibc's malloc.h
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25             # linux/mman.h (MADV_COLLAPSE: Linux 6.1)
+HUGE_PAGE = 2 << 20
 MMAP_THRESHOLD = 32 << 20                       # glibc's ceiling on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = (1 << 31) - 1                  # an int: trim only past 2 GB of free heap top
 
@@ -42,3 +50,35 @@ def keep_freed_heap() -> bool:
     if not ok:
         log.debug("mallopt refused the heap thresholds; freed tensors go back to the kernel")
     return bool(ok)
+
+
+def huge_pages(tensors, collapse: bool = False) -> int:
+    """Back the CPU tensors' memory with 2 MB pages: each storage's whole 2 MB pages, storages
+    of 4 MB and more, each once. MADV_HUGEPAGE alone serves pages not yet touched (weights
+    before they are loaded: their first write faults in huge pages, nothing copied);
+    collapse: also MADV_COLLAPSE, which moves pages already written there now (a copy,
+    ~0.4 GB/s on a 2-core Xeon; next to nothing where they are huge already). Returns the
+    bytes advised (collapse: the bytes now on huge pages); 0 where the kernel has no THP,
+    is older than 6.1 (collapse), or refuses: the tensors stay as they were, same values."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    seen, done = set(), 0
+    for t in tensors:
+        if t.device.type != "cpu":
+            continue
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if ptr in seen or size < 2 * HUGE_PAGE:
+            continue
+        seen.add(ptr)
+        start = (ptr + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1)
+        length = ((ptr + size) & ~(HUGE_PAGE - 1)) - start
+        if (length > 0 and madvise(start, length, MADV_HUGEPAGE) == 0
+                and (not collapse or madvise(start, length, MADV_COLLAPSE) == 0)):
+            done += length
+    return done
