@@ -15,8 +15,9 @@ starts.
 
 The weights a CPU forward streams go on 2 MB pages (huge_pages, after loading): every decode
 step reads the active experts and the dense part, hundreds of MB over 4 KB pages, a TLB miss
-every page. Measured on a 2-core Xeon (bench model, bf16): a batch-1 step 16.9 -> 15.2 ms,
-batch 8 58 -> 52.5, prefill +5-10%. torch allocates without MADV_HUGEPAGE, and where THP is
+every page. Measured on a 2-core Xeon (bench model, bf16), two A/Bs an hour apart: a batch-1
+step 16.9 -> 15.2 and 15.5 -> 15.0 ms, batch 8 58 -> 52.5 and 54.4 -> 52.7, prefill +5-10%;
+loading 1.5 -> 3.8 s (the kernel's huge-page faults: ~2 s a GB more). torch allocates without MADV_HUGEPAGE, and where THP is
 "madvise" (a common default) nothing gets huge pages unless asked. A GPU engine leaves it: host expert banks under 32 MB would then share heap pages,
 and page-locking one in place (cudaHostRegister) can refuse a page already registered.
 Elsewhere than glibc (musl, macOS) it is left alone.
