@@ -17,7 +17,9 @@ static inline vf round_store(uint16_t *dst, vf f, int fmt) {
     if (fmt == 1) {
         vf r;
 #if VW == 16
-        __m256i h = _mm512_cvtps_ph(*(__m512 *)&f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 v;
+        memcpy(&v, &f, sizeof v);
+        __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm256_storeu_si256((__m256i *)dst, h);
         __m512 back = _mm512_cvtph_ps(h);
         memcpy(&r, &back, sizeof r);
