@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import triton_kernels as tk
-from tiny_fixtures import biased_experts, tiny_model_dir  # noqa: F401
+from tiny_fixtures import biased_experts, fp8_bank, tiny_model_dir  # noqa: F401
 from triton_kernels.cpu_linear import GEMM_ROWS, NATIVE_ROWS
 from triton_kernels.fused_moe import _moe_loop_torch, fused_moe_reference
 
@@ -27,8 +27,9 @@ def case(seed, t, n, k, wdtype, xdtype, bias=True):
     return x, w, b
 
 
-# k: whole paired blocks of 32 and one with a tail; n: not a multiple of the 4-row tile.
-@pytest.mark.parametrize("k", [64, 72])
+# k: whole paired blocks of 32 (two an iteration where the tile has few chains), one block
+# past them, a tail; n: not a multiple of the 4-row tile.
+@pytest.mark.parametrize("k", [64, 72, 100])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_native_linear_matches_float64(k, wdtype, xdtype, threads):
@@ -52,6 +53,31 @@ def test_native_linear_gives_the_same_bits_on_any_thread_count(threads):
         threads(n)
         outs.append(kernel.linear(x, w, b))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("n,k,bn,bk", [(37, 100, 16, 32), (300, 256, 128, 128), (40, 72, 32, 16)])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, xdtype, threads):
+    # fp8 e4m3 bytes with their block scales (ragged blocks, subnormal codes: fp8_bank),
+    # against float64 on the exactly decoded weight; and the same bits on 1-3 threads.
+    for t in (1, 3, 4, 9):
+        x, w, b = case(t, t, n, k, torch.float32, xdtype)
+        q, s, deq = fp8_bank(w[None], bn, bk)
+        outs = []
+        for nthreads in (1, 2, 3):
+            threads(nthreads)
+            outs.append(kernel.linear(x, q[0], b, scales=s[0], block=(bn, bk)))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        got = outs[0]
+        want = F.linear(x.double(), deq[0].double(), b.double())
+        assert got.dtype == xdtype and got.shape == (t, n)
+        ulp = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}[xdtype]
+        bound = want.abs() * ulp + (x.double().abs() @ deq[0].double().abs().T) * 2.0 ** -20
+        assert ((got.double() - want).abs() <= bound).all(), t
+    with pytest.raises(ValueError, match="block scales"):
+        kernel.linear(x, q[0], b, scales=s[0], block=(bn * 2, bk))
+    with pytest.raises(ValueError, match="block scales"):
+        kernel.linear(x, q[0], b)
 
 
 def test_native_linear_rounds_to_nearest_even_and_keeps_nan():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import triton_kernels as tk
-from tiny_fixtures import biased_experts
+from tiny_fixtures import biased_experts, fp8_bank
 from triton_kernels import cpu_native
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
 
@@ -135,23 +135,6 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
 
 
 # ---- fp8 experts from their bytes (cpu_dot.h's load_e4m3, NativeFp8Bank) ---------------------
-
-def fp8_bank(w, bn, bk):
-    """w [E, N, K] quantized to e4m3 with one float32 scale per (bn, bk) block (ragged at the
-    edges), and its exact float32 decoding."""
-    e, n, k = w.shape
-    rb, cb = -(-n // bn), -(-k // bk)
-    pad = torch.zeros(e, rb * bn, cb * bk)
-    pad[:, :n, :k] = w.float()
-    blocks = pad.view(e, rb, bn, cb, bk)
-    s = blocks.abs().amax(dim=(2, 4)) / 448 + 1e-12                              # [E, rb, cb]
-    q = (blocks / s[:, :, None, :, None]).view(e, rb * bn, cb * bk)[:, :n, :k]
-    q = q.to(torch.float8_e4m3fn).contiguous()
-    q.view(torch.uint8)[0, 0, :8] = torch.arange(8, dtype=torch.uint8)       # every subnormal
-    q.view(torch.uint8)[0, 1, :8] = torch.arange(8, dtype=torch.uint8) | 0x80
-    deq = q.float() * s.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
-    return q, s.contiguous(), deq
-
 
 @pytest.mark.parametrize("d,i,bn,bk", [(64, 32, 16, 32), (72, 40, 32, 16), (256, 128, 128, 128)])
 @pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from freetoken.demo.tiny_model import make_tiny_model
 
@@ -39,7 +40,6 @@ def biased_experts(seed: int, t: int, d: int = 64, i: int = 32, e: int = 6, k: i
     """A routed MoE call on random bf16 experts, slots mapped and biased: x [t, d],
     w13 [pool, 2i, d], w2 [pool, d, i], b13, b2, top-k weights and ids over e experts, and
     the slot map of those e experts into the pool."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     w13 = (torch.randn(pool, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
     w2 = (torch.randn(pool, d, i, generator=g) * i ** -0.5).bfloat16()
@@ -50,3 +50,20 @@ def biased_experts(seed: int, t: int, d: int = 64, i: int = 32, e: int = 6, k: i
     slot_map = torch.randperm(pool, generator=g)[:e]
     return dict(x=x, w13=w13, w2=w2, b13=b13, b2=b2, weights=weights, ids=ids,
                 slot_map=slot_map)
+
+
+def fp8_bank(w, bn, bk):
+    """w [E, N, K] quantized to e4m3 with one float32 scale per (bn, bk) block (ragged at the
+    edges), and its exact float32 decoding."""
+    e, n, k = w.shape
+    rb, cb = -(-n // bn), -(-k // bk)
+    pad = torch.zeros(e, rb * bn, cb * bk)
+    pad[:, :n, :k] = w.float()
+    blocks = pad.view(e, rb, bn, cb, bk)
+    s = blocks.abs().amax(dim=(2, 4)) / 448 + 1e-12                              # [E, rb, cb]
+    q = (blocks / s[:, :, None, :, None]).view(e, rb * bn, cb * bk)[:, :n, :k]
+    q = q.to(torch.float8_e4m3fn).contiguous()
+    q.view(torch.uint8)[0, 0, :8] = torch.arange(8, dtype=torch.uint8)       # every subnormal
+    q.view(torch.uint8)[0, 1, :8] = torch.arange(8, dtype=torch.uint8) | 0x80
+    deq = q.float() * s.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+    return q, s.contiguous(), deq

@@ -33,45 +33,62 @@ typedef _Float16 vh __attribute__((vector_size(VW * 2)));
 typedef uint8_t vu8 __attribute__((vector_size(VW)));
 
 #define FT_E4M3 3
+/* Each weight row's bytes this far ahead are asked into L2 as a tile reads it (prefetcht2):
+ * a thread's one sequential stream otherwise keeps too few lines in flight to reach DRAM
+ * speed. A MoE layer's experts, cold (bench/cpu_moe.py's shape, 2-core Xeon): batch 1 bf16
+ * 0.68 -> 0.59 ms, fp8 0.57 -> 0.39; 8 tokens 3.6 -> 2.9 and 2.9 -> 2.0. (prefetchnta lost
+ * 1.4x; 4 and 8 KB ahead ran alike, 1 KB half the gain.) */
+#define PF_BYTES 4096
 
-/* VW e4m3 bytes, exactly: sign, exponent and mantissa moved into float16's places give the
- * value / 2^8 (the biases are 7 and 15; e4m3's subnormals land on float16's), widened by
- * vcvtph2ps, then * 2^8. (Through float32's places instead, a subnormal e4m3 weight is a
- * float32 denormal, and each multiply that meets one takes a microcode assist: a layer ran
- * 5x slower.) e4m3fn's nan, 0x7f, reads as 480: checkpoints hold none. */
-static inline __attribute__((always_inline)) vf load_e4m3(const uint8_t *p) {
-    vf f;
+/* e4m3 weights widened to float32 at 1/E4M3_UNIT of their value, exactly: the byte
+ * sign-extended to 16 bits and shifted left by 7 puts its sign on float16's (bit 15, and a
+ * copy on bit 14, cleared), its exponent and mantissa on float16's lowest exponent and
+ * mantissa bits: value / 2^8 (the biases are 7 and 15; e4m3's subnormals land on float16's),
+ * widened by vcvtph2ps. The caller's x carries the 2^8 (scale_row), so no multiply here.
+ * Two ALU ops per 2 * VW weights: the older form (two shifts, two ands and an or per VW,
+ * then a multiply) bound the kernel at ~4 G weights/s a core, under DRAM speed. (Through
+ * float32's places instead, a subnormal e4m3 weight is a float32 denormal, and each multiply
+ * that meets one takes a microcode assist: a layer ran 5x slower.) e4m3fn's nan, 0x7f,
+ * reads as 480: checkpoints hold none. */
+#define E4M3_UNIT 256.f
+
+static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf *lo, vf *hi) {
 #if VW == 16
-    /* (Intrinsics: GCC split the vector form's widening into 128-bit halves, 1.6x the time.) */
-    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(h, 8), _mm256_set1_epi16(-0x8000)),
-                        _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(0x3f80)));
-    __m512 v = _mm512_cvtph_ps(h);
-    memcpy(&f, &v, sizeof f);
+    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16((short)0xbfff));
+    __m512 a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    __m512 b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    memcpy(lo, &a, sizeof *lo);
+    memcpy(hi, &b, sizeof *hi);
 #else
-    vu8 b;
-    memcpy(&b, p, sizeof b);
-    vu16 h = __builtin_convertvector(b, vu16);
-    h = (vu16)(((h & 0x80) << 8) | ((h & 0x7f) << 7));
+    typedef int8_t vi8 __attribute__((vector_size(VW)));
+    typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
+    for (int half = 0; half < 2; half++) {
+        vi8 b;
+        memcpy(&b, p + half * VW, sizeof b);
+        vi16 h = (__builtin_convertvector(b, vi16) << 7) & (int16_t)0xbfff;
+        vf f;
 #if defined(__F16C__)
-    __m128i hv;
-    memcpy(&hv, &h, sizeof hv);
-    __m256 v = _mm256_cvtph_ps(hv);
-    memcpy(&f, &v, sizeof f);
+        __m128i hv;
+        memcpy(&hv, &h, sizeof hv);
+        __m256 v = _mm256_cvtph_ps(hv);
+        memcpy(&f, &v, sizeof f);
 #else
-    vh hv;
-    memcpy(&hv, &h, sizeof hv);
-    f = __builtin_convertvector(hv, vf);
+        vh hv;
+        memcpy(&hv, &h, sizeof hv);
+        f = __builtin_convertvector(hv, vf);
 #endif
+        *(half ? hi : lo) = f;
+    }
 #endif
-    return f * 256.f;
 }
 
+/* One e4m3 byte at 1/E4M3_UNIT of its value (load_e4m3's). */
 static inline float scalar_e4m3(uint8_t b) {
     uint16_t h = (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
     _Float16 v;
     memcpy(&v, &h, sizeof v);
-    return (float)v * 256.f;
+    return (float)v;
 }
 
 /* Row `row` of a weight of rows of k elements in fmt. */
@@ -79,11 +96,12 @@ static inline const void *row_at(const void *base, int64_t row, int64_t k, int f
     return (const char *)base + row * k * (fmt == FT_E4M3 ? 1 : 2);
 }
 
-/* dst = x * its block's scale, column j's scale srow[j / bk]: an fp8 row block's x. */
+/* dst = x * its block's scale * E4M3_UNIT, column j's scale srow[j / bk]: an fp8 row
+ * block's x (load_e4m3's weights are 1/E4M3_UNIT of theirs). */
 static inline void scale_row(const float *x, float *dst, int64_t k, const float *srow,
                              int64_t bk) {
     for (int64_t c0 = 0; c0 < k; c0 += bk) {         /* a block at a time: no division */
-        const float sc = srow[c0 / bk];
+        const float sc = srow[c0 / bk] * E4M3_UNIT;
         const int64_t c1 = c0 + bk < k ? c0 + bk : k;
         for (int64_t j = c0; j < c1; j++)
             dst[j] = x[j] * sc;
@@ -196,66 +214,86 @@ static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
     return block * 2 * VW + (r & 1) * VW + r / 2;
 }
 
+/* One 2 * VW block of the tile at column j: the NR rows' weights widened once (lo: the
+ * block's first VW lanes, hi: the rest), each multiplied into the NT tokens' accumulators
+ * lo_acc and hi_acc (the same array where the halves share one chain). */
+static inline __attribute__((always_inline)) void
+tile_block(const void *const *w, const float *const *x, const int j, const int NR,
+           const int NT, const int fmt, vf (*lo_acc)[MAXT], vf (*hi_acc)[MAXT]) {
+    vf xl[MAXT], xh[MAXT];
+    #pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) {
+        memcpy(&xl[t], x[t] + j, sizeof(vf));
+        memcpy(&xh[t], x[t] + j + VW, sizeof(vf));
+        /* Held in registers for the NR rows: GCC would fold each use into an FMA's
+         * memory operand, NR loads of it instead of one (loads were the bound: 4 rows
+         * by 4 tokens 48 -> 104 GFLOP/s a core; one row is faster folded). */
+#if defined(__AVX__)
+        if (NR > 1)
+            __asm__("" : "+v"(xl[t]), "+v"(xh[t]));
+#endif
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        vf lo, hi;
+        __builtin_prefetch((const char *)w[r] + j * (fmt == FT_E4M3 ? 1 : 2) + PF_BYTES, 0, 1);
+        if (fmt == 0) {
+            vu32 lanes;
+            memcpy(&lanes, (const uint16_t *)w[r] + j, sizeof lanes);
+            vu32 a = lanes << 16, b = lanes & 0xffff0000u;
+            memcpy(&lo, &a, sizeof lo);
+            memcpy(&hi, &b, sizeof hi);
+        } else if (fmt == FT_E4M3) {
+            load_e4m3((const uint8_t *)w[r] + j, &lo, &hi);
+        } else {
+            lo = load_w((const uint16_t *)w[r] + j, 1);
+            hi = load_w((const uint16_t *)w[r] + j + VW, 1);
+        }
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            lo_acc[r][t] += lo * xl[t];
+            hi_acc[r][t] += hi * xh[t];
+        }
+    }
+}
+
 /* res[r * MAXT + t] = w[r] . x[t] over k, for NR weight rows and NT tokens (x in the row
  * format's order, see paired_index): each weight vector widened once for the NT tokens.
- * Constant NR, NT and fmt: unrolled, in registers. Where NR * NT >= 8 the even and odd
- * halves share one accumulator (enough chains to hide the FMA's latency, and 16 of
- * AVX-512's 32 registers); below, two. */
+ * Constant NR, NT and fmt: unrolled, in registers. The FMA's latency (4 cycles) wants 8 or
+ * more independent accumulator chains: where NR * NT >= 8 the tile's own (the even and odd
+ * halves share one: 16 of AVX-512's 32 registers); from 4, two a tile entry (the halves);
+ * below, four (two blocks an iteration). (One row by one token on two chains: 4 cycles a
+ * block, the batch-1 decode's bound with its weights in cache; on four, ~0.6x that.) */
 static inline __attribute__((always_inline)) void
 dot_tile(const void *const *w, const float *const *x, const int k, const int NR,
          const int NT, const int fmt, float *res) {
-    const int C = NR * NT >= 8 ? 1 : 2;
-    vf acc[2][MAXR][MAXT];                 /* [chain][row][token] */
+    const int C = NR * NT >= 8 ? 1 : 2;    /* chains a block */
+    const int U = NR * NT >= 4 ? 1 : 2;    /* blocks an iteration */
+    vf acc[4][MAXR][MAXT];                 /* [chain][row][token] */
     #pragma GCC unroll 4
-    for (int c = 0; c < C; c++)
+    for (int c = 0; c < C * U; c++)
         #pragma GCC unroll 4
         for (int r = 0; r < NR; r++)
             #pragma GCC unroll 4
             for (int t = 0; t < NT; t++)
                 acc[c][r][t] = (vf){0};
     int j = 0;
-    for (; j + 2 * VW <= k; j += 2 * VW) {
-        vf xl[MAXT], xh[MAXT];
-        #pragma GCC unroll 4
-        for (int t = 0; t < NT; t++) {
-            memcpy(&xl[t], x[t] + j, sizeof(vf));
-            memcpy(&xh[t], x[t] + j + VW, sizeof(vf));
-            /* Held in registers for the NR rows: GCC would fold each use into an FMA's
-             * memory operand, NR loads of it instead of one (loads were the bound: 4 rows
-             * by 4 tokens 48 -> 104 GFLOP/s a core; one row is faster folded). */
-#if defined(__AVX__)
-            if (NR > 1)
-                __asm__("" : "+v"(xl[t]), "+v"(xh[t]));
-#endif
+    if (U == 2)
+        for (; j + 4 * VW <= k; j += 4 * VW) {
+            tile_block(w, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
+            tile_block(w, x, j + 2 * VW, NR, NT, fmt, acc[C], acc[2 * C - 1]);
         }
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) {
-            vf lo, hi;
-            if (fmt == 0) {
-                vu32 lanes;
-                memcpy(&lanes, (const uint16_t *)w[r] + j, sizeof lanes);
-                vu32 a = lanes << 16, b = lanes & 0xffff0000u;
-                memcpy(&lo, &a, sizeof lo);
-                memcpy(&hi, &b, sizeof hi);
-            } else if (fmt == FT_E4M3) {
-                lo = load_e4m3((const uint8_t *)w[r] + j);
-                hi = load_e4m3((const uint8_t *)w[r] + j + VW);
-            } else {
-                lo = load_w((const uint16_t *)w[r] + j, 1);
-                hi = load_w((const uint16_t *)w[r] + j + VW, 1);
-            }
-            #pragma GCC unroll 4
-            for (int t = 0; t < NT; t++) {
-                acc[0][r][t] += lo * xl[t];
-                acc[C - 1][r][t] += hi * xh[t];
-            }
-        }
-    }
+    for (; j + 2 * VW <= k; j += 2 * VW)
+        tile_block(w, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
         #pragma GCC unroll 4
         for (int t = 0; t < NT; t++) {
-            float s = hsum(C == 1 ? acc[0][r][t] : acc[0][r][t] + acc[1][r][t]);
+            vf sum = acc[0][r][t];
+            #pragma GCC unroll 4
+            for (int c = 1; c < C * U; c++)
+                sum += acc[c][r][t];
+            float s = hsum(sum);
             for (int q = j; q < k; q++)
                 s += (fmt == FT_E4M3 ? scalar_e4m3(((const uint8_t *)w[r])[q])
                                      : scalar_w((const uint16_t *)w[r] + q, fmt)) * x[t][q];
@@ -303,6 +341,25 @@ static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t 
         if (wfmt == 0)
             permute_row(wide + t * k, xp + t * k, k);
     }
+}
+
+/* fp8: a tile of nr weight rows from `row` kept within one row block of bn rows (else one
+ * row), and xv the nt tokens' xs scaled by that block's column scales (scales [row blocks,
+ * cb] of this expert), rescaled into xsc [MAXT, k] when the block changes (*block: the
+ * block xv holds). Returns the tile's rows. */
+static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t *block,
+                           const float *const *xs, const float **xv, int nt, float *xsc,
+                           int64_t k, const float *scales, int64_t cb) {
+    if ((row + nr - 1) / bn != row / bn)
+        nr = 1;
+    if (row / bn != *block) {
+        *block = row / bn;
+        for (int t = 0; t < nt; t++) {
+            scale_row(xs[t], xsc + t * k, k, scales + *block * cb, bk);
+            xv[t] = xsc + t * k;
+        }
+    }
+    return nr;
 }
 
 static inline int64_t item_rows(int64_t rows, int64_t threads) {

@@ -8,13 +8,16 @@
  * rows are shared among the threads in long sequential items (cpu_dot.h's tiles), x is
  * widened once inside the call and y written in its dtype.
  *
- * Formats: w 0 bf16, 1 fp16; x and out 0 bf16, 1 fp16, 2 float32. Each output is one dot
- * product summed in a fixed order (vector lanes, then across them), plus the bias, rounded
- * once to out's format (nearest even): the same bits on any thread count.
+ * Formats: w 0 bf16, 1 fp16, 3 fp8 e4m3 (scales [ceil(N/bn), ceil(K/bk)] f32, the scale of
+ * each (bn, bk) block, applied to x per row block as cpu_moe.c does; else NULL); x and out
+ * 0 bf16, 1 fp16, 2 float32. Each output is one dot product summed in a fixed order (vector
+ * lanes, then across them), plus the bias, rounded once to out's format (nearest even): the
+ * same bits on any thread count.
  */
 #include "cpu_dot.h"
 
-int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int wfmt,
+int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
+              const float *scales, int64_t bn, int64_t bk,
               const float *bias, int64_t n, int64_t k, void *out, int ofmt, int threads) {
     /* x widened to float32 (wide), then each row in the weight format's order (paired_index). */
     float *wide = malloc(2 * (t_count ? t_count : 1) * k * sizeof *wide);
@@ -23,15 +26,25 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int w
     float *xp = wfmt == 0 ? wide + t_count * k : wide;
     const int64_t rows = item_rows(n, threads);
     const int64_t items = (n + rows - 1) / rows;
+    const int64_t cb = (k + bk - 1) / bk;   /* fp8: column blocks of a row block's scales */
     int64_t next = 0;                       /* work items taken (a shared counter) */
+    int failed = 0, team = 0;               /* fp8: threads without scratch, of the team */
 
 #pragma omp parallel num_threads(threads)
     {
+        /* fp8: this thread's x scaled by a row block's column scales (fp8_rows). */
+        float *xsc = wfmt == FT_E4M3 ? malloc(MAXT * k * sizeof *xsc) : NULL;
+        if (wfmt == FT_E4M3 && !xsc)
+            __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
+#pragma omp single nowait
+        team = omp_get_num_threads();
         widen_rows(x, xfmt, t_count, k, wfmt, wide, xp);
         /* item = `rows` weight rows, for every token: one sequential stream (one row at a
          * time) below MAXT tokens, MAXR rows sharing each x load from there. */
         for (;;) {
-            int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            /* a thread without its scratch takes no items (the others take them all) */
+            int64_t item = (wfmt == FT_E4M3 && !xsc) ? items
+                                                      : __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
             if (item >= items)
                 break;
             int64_t r0 = item * rows, r1 = r0 + rows < n ? r0 + rows : n;
@@ -41,13 +54,19 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int w
                 for (int t = 0; t < nt; t++)
                     xs[t] = xp + (t0 + t) * k;
                 const int together = nt >= MAXT ? MAXR : 1;
+                int64_t block = -1;                 /* fp8: the row block xsc is scaled for */
+                const float *xv[MAXT];
+                for (int t = 0; t < nt; t++)
+                    xv[t] = xs[t];
                 for (int64_t r = r0; r < r1;) {
                     int nr = r + together <= r1 ? together : 1;
+                    if (wfmt == FT_E4M3)
+                        nr = fp8_rows(r, nr, bn, bk, &block, xs, xv, nt, xsc, k, scales, cb);
                     const void *ws[MAXR];
                     for (int q = 0; q < nr; q++)
-                        ws[q] = w + (r + q) * k;
+                        ws[q] = row_at(w, r + q, k, wfmt);
                     float res[MAXR * MAXT];
-                    dots(ws, xs, (int)k, nr, nt, wfmt, res);
+                    dots(ws, xv, (int)k, nr, nt, wfmt, res);
                     for (int q = 0; q < nr; q++)
                         for (int t = 0; t < nt; t++)
                             store_as(out, (t0 + t) * n + r + q,
@@ -57,7 +76,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const uint16_t *w, int w
                 }
             }
         }
+        free(xsc);
     }
     free(wide);
-    return 0;
+    return failed && failed == team ? -1 : 0;
 }

@@ -38,25 +38,6 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
     return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
 }
 
-/* fp8: a tile of nr weight rows from `row` kept within one row block of bn rows (else one
- * row), and xv the nt tokens' xs scaled by that block's column scales (scales [row blocks,
- * cb] of this expert), rescaled into xsc [MAXT, k] when the block changes (*block: the
- * block xv holds). Returns the tile's rows. */
-static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t *block,
-                           const float *const *xs, const float **xv, int nt, float *xsc,
-                           int64_t k, const float *scales, int64_t cb) {
-    if ((row + nr - 1) / bn != row / bn)
-        nr = 1;
-    if (row / bn != *block) {
-        *block = row / bn;
-        for (int t = 0; t < nt; t++) {
-            scale_row(xs[t], xsc + t * k, k, scales + *block * cb, bk);
-            xv[t] = xsc + t * k;
-        }
-    }
-    return nr;
-}
-
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
            const float *wts,
            int64_t t_count, int64_t k_count, const void *w13, const void *w2,

@@ -61,7 +61,7 @@ class NativeKernels:
         fn.restype = c_int
         self._moe = fn
         fn = lib.ft_linear
-        fn.argtypes = [p, c_int, i64, p, c_int, p, i64, i64, p, c_int, c_int]
+        fn.argtypes = [p, c_int, i64, p, c_int, p, i64, i64, p, i64, i64, p, c_int, c_int]
         fn.restype = c_int
         self._linear = fn
         fn = lib.ft_attn_decode
@@ -149,24 +149,35 @@ class NativeKernels:
         return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, K] (bf16, fp16 or float32) @ weight [N, K]^T (bf16 or fp16, contiguous) + bias
+               bias: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+        """x [T, K] (bf16, fp16 or float32) @ weight [N, K]^T (bf16, fp16, or fp8 e4m3 with its
+        float32 block scales [ceil(N/bn), ceil(K/bk)] for block (bn, bk); contiguous) + bias
         ([N] float32 or None) -> [T, N] in x's dtype, summed in float32 and rounded once, on
         torch's thread count."""
         n, k = weight.shape
-        if not (self.handles(weight.dtype) and weight.is_contiguous() and x.dim() == 2
+        fp8 = E4M3 is not None and weight.dtype == E4M3
+        bn, bk = block
+        if not ((self.handles(weight.dtype) or fp8) and weight.is_contiguous() and x.dim() == 2
                 and x.shape[1] == k and x.dtype in _IO_FORMATS
                 and x.device.type == weight.device.type == "cpu"
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
-                                      and bias.is_contiguous()))):
+                                      and bias.is_contiguous()))
+                and (not fp8 or (isinstance(scales, torch.Tensor)
+                                 and scales.dtype == torch.float32 and scales.is_contiguous()
+                                 and tuple(scales.shape) == (-(-n // bn), -(-k // bk))))):
             raise ValueError(f"native linear: x [T, {k}] and a contiguous 16-bit weight "
-                             f"[N, K] on the CPU (bias [N] float32) expected, got x "
+                             f"[N, K] (or fp8 with float32 block scales [ceil(N/bn), "
+                             f"ceil(K/bk)]) on the CPU (bias [N] float32) expected, got x "
                              f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                             f"{weight.dtype}")
+                             f"{weight.dtype}, scales "
+                             f"{None if scales is None else tuple(scales.shape)}, block {block}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         rc = self._linear(x.data_ptr(), _IO_FORMATS[x.dtype], x.shape[0], weight.data_ptr(),
-                          _FORMATS[weight.dtype], 0 if bias is None else bias.data_ptr(), n, k,
+                          _WEIGHT_FORMATS[weight.dtype], scales.data_ptr() if fp8 else 0,
+                          bn if fp8 else 1, bk if fp8 else 1,
+                          0 if bias is None else bias.data_ptr(), n, k,
                           out.data_ptr(), _IO_FORMATS[x.dtype], torch.get_num_threads())
         if rc != 0:
             raise MemoryError("native linear: out of host memory for x's float32 copy")
