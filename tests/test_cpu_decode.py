@@ -184,6 +184,34 @@ def test_native_bank_hands_prefill_rows_to_amx_products():
     assert torch.equal(half, fused_moe_reference(c["x"].half(), *plain, *args, b13=b13, b2=b2))
 
 
+def test_fp8_bank_hands_prefill_rows_to_its_bf16_copy():
+    # An fp8 bank with a bf16 copy: prefill chunks (GEMM_ROWS pairs an expert and more) run
+    # the AMX products on the copy (the plain AMX bank's bits), fewer rows the native kernel
+    # on the bytes (the copyless bank's bits); a copy of another shape is refused.
+    c = biased_experts(seed=5, t=40, d=64, i=32, e=3, k=2, pool=5)
+    b13, b2 = c["b13"].float(), c["b2"].float()
+    q13, s13, deq13 = fp8_bank(c["w13"], 16, 32)
+    q2, s2, deq2 = fp8_bank(c["w2"], 16, 32)
+    copies = [tk.NativeBank(d.bfloat16(), kernel, amx=True) for d in (deq13, deq2)]
+    with_copy = (tk.NativeFp8Bank(q13, s13, (16, 32), kernel, prefill=copies[0]),
+                 tk.NativeFp8Bank(q2, s2, (16, 32), kernel, prefill=copies[1]))
+    bytes_only = (tk.NativeFp8Bank(q13, s13, (16, 32), kernel),
+                  tk.NativeFp8Bank(q2, s2, (16, 32), kernel))
+    assert with_copy[0].nbytes == bytes_only[0].nbytes + copies[0].nbytes
+    args = (c["weights"], c["ids"], c["slot_map"])
+    got = fused_moe_reference(c["x"], *with_copy, *args, b13=b13, b2=b2)
+    assert torch.equal(got, fused_moe_reference(c["x"], *copies, *args, b13=b13, b2=b2))
+    assert not torch.equal(got, fused_moe_reference(c["x"], *bytes_only, *args, b13=b13, b2=b2))
+    one = [t[:1] for t in args[:2]] + [args[2]]
+    assert torch.equal(fused_moe_reference(c["x"][:1], *with_copy, *one, b13=b13, b2=b2),
+                       fused_moe_reference(c["x"][:1], *bytes_only, *one, b13=b13, b2=b2))
+    with pytest.raises(ValueError, match="prefill copy"):
+        tk.NativeFp8Bank(q13, s13, (16, 32), kernel, prefill=copies[1])
+    with pytest.raises(ValueError, match="prefill copy"):
+        tk.NativeFp8Bank(q13, s13, (16, 32), kernel,
+                         prefill=tk.NativeBank(deq13.bfloat16(), kernel, amx=False))
+
+
 # ---- the decode step of an attention layer (cpu_attention.c) ----------------------------------
 
 def attention_case(seed, lens, hq=4, hk=2, dh=32, rot=32, bs=4, cache_dtype=torch.bfloat16,

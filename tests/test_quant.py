@@ -368,6 +368,19 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     fused = {id(getattr(a, n)) for a in attns for n in a.cpu_fused}
     qlin = [m for m in modules if isinstance(m, QuantLinear) and id(m) not in fused]
     assert len(qlin) >= 4 and all(isinstance(m.packed, tk.CpuLinear) for m in qlin)
+    # fp8 keeps its bytes for the decode rows' GEMV (block scales, or the tensor's as one
+    # block; q, k and v's concatenated where their row blocks line up: BLOCK's 16 rows do)
+    fp8 = quant in ("fp8", "fp8-tensor") and tk.native_kernels() is not None
+    assert all((m.packed.fp8 is not None) == fp8 for m in qlin)
+    assert all((a.qkv_packed.fp8 is not None) == (fp8 and quant == "fp8") for a in attns)
+    # Row by row (the native GEMV, from the fp8 bytes where kept) against 8 rows at once
+    # (the GEMM on the 16-bit copy): the same weight, to bf16's rounding of its copy.
+    g = torch.Generator().manual_seed(0)
+    for packed in [m.packed for m in qlin] + [a.qkv_packed for a in attns]:
+        x = torch.randn(8, packed.in_features, generator=g).bfloat16()
+        one = torch.cat([packed(x[i:i + 1]) for i in range(8)]).float()
+        many = packed(x).float()
+        assert ((one - many).norm() / many.norm()).item() < 1e-2
     got = llm.logits(PROMPT)
     # Per token: bf16 router logits tie now and then, and which tied expert a token takes
     # (torch.topk's order, or the native router's lower id) moves that token's logits by a
@@ -396,19 +409,28 @@ def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, mo
         llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", **kw)
         banks = [b.experts.bank() for b in llm.runner.model.moe_blocks().values()]
         cpu_bank = tk.NativeBank if tk.native_kernels() else tk.Fp16Bank
-        assert banks and all(isinstance(b.get("w13"), cpu_bank) == bool(room)
-                             and isinstance(b.get("w2"), cpu_bank) == bool(room) for b in banks)
-        # Without the room, fp8 blocks run from their bytes on the native kernel; the
-        # others keep the tile decode.
-        from_bytes = not room and quant == "fp8" and tk.native_kernels() is not None
-        assert all(isinstance(b.get("w13"), tk.NativeFp8Bank) == from_bytes for b in banks)
+        # fp8 blocks run from their bytes on the native kernel, room or not, with a bf16 copy
+        # for prefill chunks where there is room and AMX; the others are decoded with the
+        # room, else keep the tile decode.
+        from_bytes = quant == "fp8" and tk.native_kernels() is not None
+        copy = from_bytes and bool(room) and tk.has_amx_bf16()
+        assert banks
+        for b in banks:
+            for w in (b.get("w13"), b.get("w2")):
+                assert isinstance(w, tk.NativeFp8Bank) == from_bytes
+                if from_bytes:
+                    assert isinstance(w.prefill, tk.NativeBank) == copy
+                else:
+                    assert isinstance(w, cpu_bank) == bool(room)
         if kw:
             store = llm.runner.expert_store
             assert all(store.bank(i) is b for i, b in zip(store.layers, banks))
             host = llm.runner.moe_report()["host"]     # decoded layers at their 16-bit bytes
             packed = sum(b[w].nbytes for b in banks for w in ("w13", "w2"))
             assert host["repacked_layers"] == list(store.layers)
-            assert host["resident_bytes"] == packed > host["expert_bytes"]
+            assert host["resident_bytes"] == packed
+            # decoded or copied: more than the checkpoint's bytes; from the bytes alone, those
+            assert (packed > host["expert_bytes"]) == (copy or (bool(room) and not from_bytes))
         if room and family == "qwen3_moe" and cpu_bank is tk.Fp16Bank:
             assert banks[0]["w13"].split is llm.runner.cpu_split
         got = llm.logits(PROMPT)

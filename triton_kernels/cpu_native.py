@@ -324,16 +324,19 @@ class NativeBank:
 class NativeFp8Bank:
     """A bank of fp8 experts [E, N, K] (e4m3, block scales [E, ceil(N/bn), ceil(K/bk)]
     float32) that the native kernel computes from the checkpoint's bytes as they are: 1 byte
-    a weight, nothing taken beside the checkpoint (a decoded 16-bit bank takes 2 more). Each
-    weight is widened in registers (cpu_dot.h's load_e4m3) and x is scaled per block, so a
-    batch-1 layer costs ~1.3x a bf16 bank's (2-core Xeon, 64 experts, D 1024, I 256:
-    0.8 ms against 0.62, the widening's ALU work) and 3-9x less than the tile decode."""
+    a weight read. Each weight is widened in registers (cpu_dot.h's load_e4m3) and x is
+    scaled per block, so a batch-1 layer costs ~0.65x a bf16 bank's (2-core Xeon, 64
+    experts, D 1024, I 256, cold: 0.39 ms against 0.59) and 3-9x less than the tile decode.
+    prefill: the same experts decoded to bf16 for AMX's products (NativeBank.decoded, gemm),
+    which fused_moe hands prefill chunks to (a 512-token chunk from the bytes ran at 0.43x
+    the bf16 model's): 2 bytes a weight beside the checkpoint's, counted in nbytes; None:
+    every call from the bytes."""
 
     float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
     dtype = E4M3
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
-                 kernel: NativeKernels):
+                 kernel: NativeKernels, prefill: NativeBank | None = None):
         experts, n, k = q.shape
         bn, bk = block
         if not (E4M3 is not None and q.dtype == E4M3 and q.device.type == "cpu"
@@ -342,10 +345,15 @@ class NativeFp8Bank:
             raise ValueError(f"NativeFp8Bank: e4m3 [E, N, K] and float32 scales [E, ceil(N/bn), "
                              f"ceil(K/bk)] on the CPU expected, got {tuple(q.shape)} {q.dtype} "
                              f"and {tuple(s.shape)} {s.dtype} for block {block}")
+        if prefill is not None and not (prefill.gemm and (prefill.experts, prefill.n,
+                                                          prefill.k) == (experts, n, k)):
+            raise ValueError(f"NativeFp8Bank: the prefill copy must be an AMX bf16 bank of the "
+                             f"same shape {(experts, n, k)}, got {_describe(prefill)}")
         self.q, self.s = q.detach().contiguous(), s.detach().contiguous()
-        self.block, self.kernel = (bn, bk), kernel
+        self.block, self.kernel, self.prefill = (bn, bk), kernel, prefill
         self.experts, self.n, self.k = experts, n, k
-        self.nbytes = self.checkpoint_bytes = self.q.numel() + self.s.numel() * 4
+        self.checkpoint_bytes = self.q.numel() + self.s.numel() * 4
+        self.nbytes = self.checkpoint_bytes + (prefill.nbytes if prefill is not None else 0)
 
 
 def moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,

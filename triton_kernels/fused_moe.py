@@ -74,6 +74,11 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
     if isinstance(w13, NativeFp8Bank):  # fp8 experts only the CPU computes, from their bytes
+        if w13.prefill is not None and isinstance(w2, NativeFp8Bank) and w2.prefill is not None:
+            prefill = _amx_prefill(x, w13.prefill, w2.prefill, topk_weights, topk_ids,
+                                   slot_map, b13, b2, activation)
+            if prefill is not None:     # a prefill chunk: their bf16 copy on AMX
+                return prefill
         return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, NativeBank):     # experts only the CPU computes, by the native kernel
         prefill = _amx_prefill(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,

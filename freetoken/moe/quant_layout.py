@@ -110,8 +110,9 @@ class QuantExpertLayout(ExpertLayout):
                    for w in (self.weights(bank, which) for which in ("w13", "w2")))
 
     def packs_in_place(self, bank: dict) -> bool:
-        """fp8 banks for the native kernel read the checkpoint's bytes in place (with no room
-        for a decoded copy); the int4 GEMM's and the decoded forms are new tensors."""
+        """fp8 banks for the native kernel read the checkpoint's bytes in place (a prefill
+        copy beside them only where spare bytes allow); the int4 GEMM's and the decoded forms
+        are new tensors."""
         return self._fp8_native(bank) is not None
 
     def _fp8_native(self, bank: dict) -> tk.NativeKernels | None:
@@ -133,21 +134,22 @@ class QuantExpertLayout(ExpertLayout):
         - INT4 in bf16: for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the
           checkpoint's bytes, 1.8x torch's bf16 product at 1 row and 3-12x the tile decode):
           {"w13": Int4Packed, "w2": .., biases};
-        - fp8_block in a 16-bit model where the decoded form below does not fit: the
-          checkpoint's bytes as they are, for the native kernel (cpu_native.NativeFp8Bank:
-          1 byte a weight read, 1.3x a bf16 bank's time for a batch-1 layer, 3-9x faster
-          than the tile decode); {"w13": NativeFp8Bank, "w2": .., biases};
-        - the formats torch's CPU has no GEMM for (fp8, mxfp4, nvfp4, INT4 the int4 GEMM
-          refuses), in a 16-bit model, where spare_bytes (host RAM the caller can give) hold
-          2 bytes a weight: each expert decoded once, for the native kernel, in bfloat16
-          in a bf16 model on an AMX CPU, else in float16 (cpu_native.NativeBank.decoded;
-          bfloat16 where an expert is beyond float16's range) or, without one, packed for the
-          fp16-weight GEMM (cpu_matmul.Fp16Bank.decoded,
+        - fp8_block in a 16-bit model: the checkpoint's bytes as they are, for the native
+          kernel (cpu_native.NativeFp8Bank: 1 byte a weight read, 0.65x a bf16 bank's time
+          for a batch-1 layer, 3-9x faster than the tile decode), {"w13": NativeFp8Bank,
+          "w2": .., biases}; on a CPU with AMX-BF16 in a bf16 model, with spare_bytes for
+          2 bytes a weight, also a bf16 copy for prefill chunks (AMX's products);
+        - the other formats torch's CPU has no GEMM for (fp8_channel, mxfp4, nvfp4, INT4 the
+          int4 GEMM refuses), in a 16-bit model, where spare_bytes (host RAM the caller can
+          give) hold 2 bytes a weight: each expert decoded once, for the native kernel, in
+          bfloat16 in a bf16 model on an AMX CPU, else in float16
+          (cpu_native.NativeBank.decoded; bfloat16 where an expert is beyond float16's
+          range) or, without one, packed for the fp16-weight GEMM (cpu_matmul.Fp16Bank.decoded,
           split: the CPU engine's CpuSplit; a layer with an expert beyond float16's range
           keeps the bank as it is), replacing the tile decode at every call (3-9x a bf16
           layer's time, bench/cpu_moe.py). float16 keeps 11 bits of a decoded value from
           2^-14 up (the tile decode rounds it to bf16's 8; below, within an absolute 2^-25).
-        None where neither applies."""
+        None where none applies."""
         biases = {name: t for name, t in bank.items() if name in ("b13", "b2")}
         if self._int4_packable(bank):
             return {which: tk.Int4Packed(self.fmt, self.weights(bank, which))
@@ -157,25 +159,33 @@ class QuantExpertLayout(ExpertLayout):
                 or not tk.packs_fp16()):
             return None
         shapes = {which: weight_shape(self.fmt, w) for which, w in (("w13", w13), ("w2", w2))}
-        if spare_bytes < sum(2 * lead[0] * n * k for lead, n, k in shapes.values()):
-            # 2 bytes a weight do not fit: fp8 from its bytes, else the tile decode
-            if (kernel := self._fp8_native(bank)) is None:
-                return None
-            return {which: tk.NativeFp8Bank(w["q"], w["s"], self.fmt.block, kernel)
-                    for which, w in (("w13", w13), ("w2", w2))} | {
-                        name: t.float() for name, t in biases.items()}
+        room = spare_bytes >= sum(2 * lead[0] * n * k for lead, n, k in shapes.values())
+        amx = tk.has_amx_bf16() and self.dtype == torch.bfloat16
+
+        def decoder(w):
+            def decode(e):
+                return tk.dequantize_reference(self.fmt, {name: t[e] for name, t in w.items()},
+                                               torch.float32)
+            return decode
+
+        if (kernel := self._fp8_native(bank)) is not None:     # fp8 from its bytes
+            packed = {}
+            for which, w in (("w13", w13), ("w2", w2)):
+                (experts,), n, k = shapes[which]
+                prefill = (tk.NativeBank.decoded((experts, n, k), decoder(w), kernel, amx=True)
+                           if room and amx else None)
+                packed[which] = tk.NativeFp8Bank(w["q"], w["s"], self.fmt.block, kernel,
+                                                 prefill=prefill)
+            return packed | {name: t.float() for name, t in biases.items()}
+        if not room:                    # 2 bytes a weight do not fit: the tile decode
+            return None
         kernel = tk.native_kernels()
         packed = {}
         for which, w in (("w13", w13), ("w2", w2)):
             (experts,), n, k = shapes[which]
-
-            def decode(e, w=w):
-                return tk.dequantize_reference(self.fmt, {name: t[e] for name, t in w.items()},
-                                               torch.float32)
+            decode = decoder(w)
             if kernel is not None:
-                packed[which] = tk.NativeBank.decoded(
-                    (experts, n, k), decode, kernel,
-                    amx=tk.has_amx_bf16() and self.dtype == torch.bfloat16)
+                packed[which] = tk.NativeBank.decoded((experts, n, k), decode, kernel, amx=amx)
             else:
                 packed[which] = tk.Fp16Bank.decoded((experts, n, k), self.dtype, decode, split)
                 if packed[which] is None:

@@ -165,5 +165,8 @@ def _packed_bytes(bank: dict, source: dict | None = None) -> int:
         in_place = isinstance(t, torch.Tensor) and t.data_ptr() == (
             packed.q.data_ptr() if isinstance(packed, tk.NativeFp8Bank)
             else packed.weight.data_ptr() if isinstance(packed, tk.NativeBank) else -1)
-        return 0 if in_place else packed.nbytes
+        if not in_place:
+            return packed.nbytes
+        # an fp8 bank's bytes are the source's; its bf16 prefill copy is its own
+        return packed.nbytes - packed.checkpoint_bytes if isinstance(packed, tk.NativeFp8Bank) else 0
     return sum(own(which) for which in ("w13", "w2"))

@@ -88,7 +88,21 @@ def pack_fused(projs) -> tk.CpuLinear | None:
     fused = torch.cat([d if len(dtypes) == 1 else d.float() for d in dense])
     first = projs[0]                            # the model's compute dtype
     model_dtype = first.dtype if isinstance(first, QuantLinear) else first.weight.dtype
-    return tk.cpu_linear(fused, bias, own_weight=True, dtype=model_dtype)
+    return tk.cpu_linear(fused, bias, own_weight=True, dtype=model_dtype, fp8=_fused_fp8(projs))
+
+
+def _fused_fp8(projs) -> tk.Fp8Rows | None:
+    """The projections' fp8 bytes as one weight (and their block scales as one), where all
+    have them in one block shape and each but the last ends on a whole row block; else None
+    (the fused product reads its 16-bit copy)."""
+    parts = [p.cpu_fp8() if isinstance(p, QuantLinear) else None for p in projs]
+    if any(f is None for f in parts) or len({f.block for f in parts}) != 1:
+        return None
+    bn = parts[0].block[0]
+    if any(f.q.shape[0] % bn for f in parts[:-1]):
+        return None
+    return tk.Fp8Rows(torch.cat([f.q for f in parts]), torch.cat([f.s for f in parts]),
+                      parts[0].block, own=True)
 
 
 class QuantLinear(nn.Module):
@@ -125,8 +139,20 @@ class QuantLinear(nn.Module):
             return self.packed.nbytes
         if (dense := self.cpu_dense()) is None:
             return 0
-        self.packed = tk.cpu_linear(dense, self.bias, dtype=self.dtype)
+        self.packed = tk.cpu_linear(dense, self.bias, dtype=self.dtype, fp8=self.cpu_fp8())
         return 0 if self.packed is None else self.packed.nbytes
+
+    def cpu_fp8(self) -> tk.Fp8Rows | None:
+        """The checkpoint's fp8 bytes as the native GEMV reads them (decode rows: 1 byte a
+        weight instead of the copy's 2), where it can: fp8 with block scales (per-tensor: one
+        block) in a 16-bit model, with the native kernels built."""
+        if (tk.native_kernels() is None or self.dtype == torch.float32
+                or self.fmt.kind not in ("fp8_block", "fp8_tensor")):
+            return None
+        q, s = self.q, self.s.float()
+        if self.fmt.kind == "fp8_tensor":
+            return tk.Fp8Rows(q, s.reshape(1, 1).contiguous(), tuple(q.shape))
+        return tk.Fp8Rows(q, s.contiguous(), self.fmt.block)
 
     def cpu_dense(self) -> torch.Tensor | None:
         """The decoded weight in float32 a CPU engine's product takes (cpu_linear decides its
