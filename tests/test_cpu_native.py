@@ -184,3 +184,59 @@ def test_native_fp8_banks_through_fused_moe(threads):
         kernel.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"])
     with pytest.raises(ValueError, match="NativeFp8Bank"):
         tk.NativeFp8Bank(q13, s13[:, :1], (32, 32), kernel)
+
+
+# ---- int4 experts from their nibbles (cpu_dot.h's load_int4, NativeInt4Bank) -----------------
+
+def int4_bank(w, group, symmetric, scale_dtype):
+    """w [E, N, K] quantized to int4 by the project's quantizer, and its reference decode."""
+    from freetoken.models.quant.quantize import quantize_weight
+    from triton_kernels.dequant import QuantFormat, dequantize_reference
+    fmt = QuantFormat("int4", group=group, symmetric=symmetric)
+    parts = [quantize_weight(fmt, e.float(), scale_dtype=scale_dtype) for e in w]
+    bank = {name: torch.stack([p[name] for p in parts]) for name in parts[0]}
+    return bank, dequantize_reference(fmt, bank, torch.float32)
+
+
+@pytest.mark.parametrize("group,symmetric,scale_dtype", [(32, False, torch.bfloat16),
+                                                         (64, True, torch.bfloat16),
+                                                         (32, True, torch.float32)])
+@pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])
+def test_native_int4_moe_matches_the_decoded_reference(group, symmetric, scale_dtype,
+                                                       activation, threads):
+    # Asymmetric (zero points) and symmetric groups, 16-bit and float32 scales, 1 to 40
+    # tokens (one row at a time, and 4-row tiles), against the float32 reference on the
+    # decoded weights; the same bits on 1 to 3 threads.
+    kernel = tk.native_kernels()
+    for t in (1, 3, 9, 40):
+        c = biased_experts(seed=t, t=t, d=128, i=64, e=6, k=2, pool=9)
+        q13, deq13 = int4_bank(c["w13"], group, symmetric, scale_dtype)
+        q2, deq2 = int4_bank(c["w2"], group, symmetric, scale_dtype)
+        b13 = tk.NativeInt4Bank(q13["q"], q13["s"], q13.get("z"), group, kernel)
+        b2 = tk.NativeInt4Bank(q2["q"], q2["s"], q2.get("z"), group, kernel)
+        outs = []
+        for n in (1, 2, 3):
+            threads(n)
+            outs.append(tk.fused_moe(c["x"].float(), b13, b2, c["weights"], c["ids"],
+                                     c["slot_map"], b13=c["b13"].float(), b2=c["b2"].float(),
+                                     activation=activation))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
+                                   c["slot_map"], b13=c["b13"].float(), b2=c["b2"].float(),
+                                   activation=activation)
+        assert rel(outs[0], want) < 1e-5, (t, rel(outs[0], want))
+
+
+def test_native_int4_bank_refuses_bad_groups_and_mixed_banks():
+    c = biased_experts(seed=1, t=2, d=64, i=32)
+    kernel = tk.native_kernels()
+    q, _ = int4_bank(c["w13"], 32, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="G a power of two"):
+        tk.NativeInt4Bank(q["q"], q["s"], q["z"], 16, kernel)
+    with pytest.raises(ValueError, match="G a power of two"):
+        tk.NativeInt4Bank(q["q"], q["s"][:, :, :1], q["z"], 32, kernel)
+    bank = tk.NativeInt4Bank(q["q"], q["s"], q["z"], 32, kernel)
+    assert bank.nbytes == q["q"].numel() + q["s"].numel() * 8
+    with pytest.raises(ValueError, match="native banks"):
+        tk.fused_moe(c["x"], bank, tk.NativeBank(c["w2"], kernel), c["weights"], c["ids"],
+                     c["slot_map"])

@@ -124,6 +124,9 @@ def int4_model(tmp_path_factory):
 
 
 PROMPT = [5, 17, 99, 3, 200, 7, 8, 45, 11, 250, 31, 64, 2]
+# What a bf16 CPU engine computes int4 experts with: the native kernel on the checkpoint's
+# nibbles where it is built, else torch's int4 GEMM on a packed copy.
+EXPERT_BANK = tk.NativeInt4Bank if tk.native_kernels() is not None else tk.Int4Packed
 
 
 @pytest.mark.usefixtures("one_thread", "no_saved_profiles")
@@ -138,12 +141,13 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model):
         qlin = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert qlin and all(isinstance(m.packed, tk.Int4Packed) for m in qlin), name
         blocks = model.moe_blocks()
+        # the experts: the native kernel on the checkpoint's nibbles where it is built
         store = llm.runner.expert_store
         cpu_layers = llm.runner.moe_plan.cpu_layers if store else tuple(blocks)
         assert cpu_layers, name
         for i, b in blocks.items():
             bank = b.experts.bank()
-            packed = isinstance(bank.get("w13"), tk.Int4Packed)
+            packed = isinstance(bank.get("w13"), EXPERT_BANK)
             assert packed == (i in cpu_layers), f"{name} layer {i}"
             if store is not None:
                 assert (store.bank(i) is bank) == packed          # one copy, the store's
@@ -158,11 +162,17 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model):
 
 @pytest.fixture
 def int4_gemm_calls(monkeypatch):
-    """Counts the CPU experts run through packed banks (dequant_cpu's dispatch to them)."""
+    """Counts the CPU experts run through packed banks (dequant_cpu's dispatch to the int4
+    GEMM's, fused_moe's to the native kernel's)."""
+    import sys
+
     import triton_kernels.dequant_cpu as dc
+    fm = sys.modules["triton_kernels.fused_moe"]      # (the package's fused_moe is the function)
     calls = []
-    real = dc.fused_moe_int4_cpu
-    monkeypatch.setattr(dc, "fused_moe_int4_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for module, name in ((dc, "fused_moe_int4_cpu"), (fm, "moe_native")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -191,8 +201,8 @@ def test_hybrid_layers_keep_a_packed_copy_for_the_cpu(int4_model, monkeypatch, i
     layers = llm.runner.moe_plan.cache_layers
     assert layers and set(store.cpu_banks) == set(layers)
     for i in layers:
-        assert isinstance(store.cpu_bank(i)["w13"], tk.Int4Packed)
-        assert not isinstance(store.bank(i).get("w13"), tk.Int4Packed)   # fetched as stored
+        assert isinstance(store.cpu_bank(i)["w13"], EXPERT_BANK)
+        assert not isinstance(store.bank(i).get("w13"), EXPERT_BANK)   # fetched as stored
     int4_gemm_calls.clear()
     _close_to(llm, want, "hybrid, packed copies")
     report = llm.runner.moe_report()
@@ -200,13 +210,21 @@ def test_hybrid_layers_keep_a_packed_copy_for_the_cpu(int4_model, monkeypatch, i
     assert report["counters"]["experts_fetched"] > 0
     assert report["host"]["cpu_copy_layers"] == sorted(layers)
     assert report["host"]["cpu_copy_bytes"] == store.cpu_copy_bytes > 0
-    # No room in host RAM (free RAM read as the reserve itself): no copy, the tile decode.
+    # No room in host RAM (free RAM read as the reserve itself): the native kernel's bank
+    # reads the fetched nibbles in place (its float32 group scales its only bytes); without
+    # it, no copy, the tile decode.
     monkeypatch.setattr(mr, "host_available_bytes", lambda: mr.HYBRID_COPY_RESERVE)
     tight = LLM(int4_model, moe_backend="hybrid", moe_hybrid_k=1, **HYBRID)
-    assert not tight.runner.expert_store.cpu_banks
+    native = EXPERT_BANK is tk.NativeInt4Bank
+    assert bool(tight.runner.expert_store.cpu_banks) == native
     int4_gemm_calls.clear()
     _close_to(tight, want, "hybrid, no room")
-    assert not int4_gemm_calls
+    assert bool(int4_gemm_calls) == native
+    if native:
+        tight_store = tight.runner.expert_store
+        for i, bank in tight_store.cpu_banks.items():
+            assert bank["w13"].q.data_ptr() == tight_store.bank(i)["w13.q"].data_ptr()
+        assert 0 < tight_store.cpu_copy_bytes < store.layer_bytes
 
 
 @pytest.mark.usefixtures("one_thread", "no_saved_profiles")

@@ -3,7 +3,8 @@
  * their dot products with float32 activations, a tile of rows by tokens at a time.
  *
  * Weight formats (fmt): 0 bf16, 1 fp16, 3 fp8 e4m3 (the raw bytes; their block scales are
- * the caller's: it scales x). VW: float32 lanes of a vector (16 with AVX-512).
+ * the caller's: it scales x), 4 int4 (unsigned nibbles, element 2i low and 2i + 1 high, with
+ * per-row group scales: gs, below). VW: float32 lanes of a vector (16 with AVX-512).
  */
 #ifndef FT_CPU_DOT_H
 #define FT_CPU_DOT_H
@@ -33,6 +34,7 @@ typedef _Float16 vh __attribute__((vector_size(VW * 2)));
 typedef uint8_t vu8 __attribute__((vector_size(VW)));
 
 #define FT_E4M3 3
+#define FT_INT4 4
 /* Each weight row's bytes this far ahead are asked into L2 as a tile reads it (prefetcht2):
  * a thread's one sequential stream otherwise keeps too few lines in flight to reach DRAM
  * speed. A MoE layer's experts, cold (bench/cpu_moe.py's shape, 2-core Xeon): batch 1 bf16
@@ -91,10 +93,38 @@ static inline float scalar_e4m3(uint8_t b) {
     return (float)v;
 }
 
+/* 2 * VW int4 weights (VW bytes: element 2i in byte i's low nibble, 2i + 1 in its high one)
+ * of one group, decoded exactly as the reference does, W = (q - z) * s, as q * s + m with
+ * m = -z * s (the pair the caller keeps per group: gs): lo the even elements, hi the odd
+ * ones, the paired order of bf16 rows (paired_index). */
+static inline __attribute__((always_inline)) void load_int4(const uint8_t *p, float s, float m,
+                                                            vf *lo, vf *hi) {
+    vu32 v;
+#if VW == 16
+    __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&v, &w, sizeof v);
+#else
+    vu8 b;
+    memcpy(&b, p, sizeof b);
+    v = __builtin_convertvector(b, vu32);
+#endif
+    *lo = __builtin_convertvector(v & 15u, vf) * s + m;
+    *hi = __builtin_convertvector(v >> 4, vf) * s + m;
+}
+
+static inline float scalar_int4(const uint8_t *row, int64_t j, const float *gs, int gshift) {
+    uint8_t b = row[j >> 1];
+    const float *p = gs + 2 * (j >> gshift);
+    return (float)((j & 1) ? b >> 4 : b & 15) * p[0] + p[1];
+}
+
 /* Row `row` of a weight of rows of k elements in fmt. */
 static inline const void *row_at(const void *base, int64_t row, int64_t k, int fmt) {
-    return (const char *)base + row * k * (fmt == FT_E4M3 ? 1 : 2);
+    return (const char *)base + (fmt == FT_INT4 ? row * k / 2 : row * k * (fmt == FT_E4M3 ? 1 : 2));
 }
+
+/* Whether fmt's rows meet x in paired order (paired_index). */
+static inline int paired_fmt(int fmt) { return fmt == 0 || fmt == FT_INT4; }
 
 /* dst = x * its block's scale * E4M3_UNIT, column j's scale srow[j / bk]: an fp8 row
  * block's x (load_e4m3's weights are 1/E4M3_UNIT of theirs). */
@@ -206,10 +236,11 @@ static inline __attribute__((always_inline)) float hsum(vf v) {
  * ALU ops widen 2 * VW weights (a zero-extend and shift widen VW, and cost 3 ops on
  * AVX-512: it was the kernel's bound). So the vectors they meet are "paired": per block of
  * 2 * VW elements, the even ones then the odd ones (paired_index); a row's elements past its
- * last whole block stay in order. fp16 rows (vcvtph2ps) meet vectors in plain order. */
+ * last whole block stay in order. int4 rows are paired too (a byte's two nibbles); fp16
+ * and fp8 rows (vcvtph2ps) meet vectors in plain order. */
 static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
     int64_t block = j / (2 * VW), r = j % (2 * VW);
-    if (fmt != 0 || (block + 1) * 2 * VW > k)
+    if (!paired_fmt(fmt) || (block + 1) * 2 * VW > k)
         return j;
     return block * 2 * VW + (r & 1) * VW + r / 2;
 }
@@ -218,8 +249,9 @@ static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
  * block's first VW lanes, hi: the rest), each multiplied into the NT tokens' accumulators
  * lo_acc and hi_acc (the same array where the halves share one chain). */
 static inline __attribute__((always_inline)) void
-tile_block(const void *const *w, const float *const *x, const int j, const int NR,
-           const int NT, const int fmt, vf (*lo_acc)[MAXT], vf (*hi_acc)[MAXT]) {
+tile_block(const void *const *w, const float *const *gs, const int gshift, const float *const *x,
+           const int j, const int NR, const int NT, const int fmt, vf (*lo_acc)[MAXT],
+           vf (*hi_acc)[MAXT]) {
     vf xl[MAXT], xh[MAXT];
     #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) {
@@ -236,7 +268,7 @@ tile_block(const void *const *w, const float *const *x, const int j, const int N
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
         vf lo, hi;
-        __builtin_prefetch((const char *)w[r] + j * (fmt == FT_E4M3 ? 1 : 2) + PF_BYTES, 0, 1);
+        __builtin_prefetch((const char *)w[r] + (fmt == FT_INT4 ? j / 2 : j * (fmt == FT_E4M3 ? 1 : 2)) + PF_BYTES, 0, 1);
         if (fmt == 0) {
             vu32 lanes;
             memcpy(&lanes, (const uint16_t *)w[r] + j, sizeof lanes);
@@ -245,6 +277,9 @@ tile_block(const void *const *w, const float *const *x, const int j, const int N
             memcpy(&hi, &b, sizeof hi);
         } else if (fmt == FT_E4M3) {
             load_e4m3((const uint8_t *)w[r] + j, &lo, &hi);
+        } else if (fmt == FT_INT4) {
+            const float *p = gs[r] + 2 * (j >> gshift);
+            load_int4((const uint8_t *)w[r] + j / 2, p[0], p[1], &lo, &hi);
         } else {
             lo = load_w((const uint16_t *)w[r] + j, 1);
             hi = load_w((const uint16_t *)w[r] + j + VW, 1);
@@ -265,8 +300,8 @@ tile_block(const void *const *w, const float *const *x, const int j, const int N
  * below, four (two blocks an iteration). (One row by one token on two chains: 4 cycles a
  * block, the batch-1 decode's bound with its weights in cache; on four, ~0.6x that.) */
 static inline __attribute__((always_inline)) void
-dot_tile(const void *const *w, const float *const *x, const int k, const int NR,
-         const int NT, const int fmt, float *res) {
+dot_tile(const void *const *w, const float *const *gs, const int gshift, const float *const *x,
+         const int k, const int NR, const int NT, const int fmt, float *res) {
     const int C = NR * NT >= 8 ? 1 : 2;    /* chains a block */
     const int U = NR * NT >= 4 ? 1 : 2;    /* blocks an iteration */
     vf acc[4][MAXR][MAXT];                 /* [chain][row][token] */
@@ -280,11 +315,11 @@ dot_tile(const void *const *w, const float *const *x, const int k, const int NR,
     int j = 0;
     if (U == 2)
         for (; j + 4 * VW <= k; j += 4 * VW) {
-            tile_block(w, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
-            tile_block(w, x, j + 2 * VW, NR, NT, fmt, acc[C], acc[2 * C - 1]);
+            tile_block(w, gs, gshift, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
+            tile_block(w, gs, gshift, x, j + 2 * VW, NR, NT, fmt, acc[C], acc[2 * C - 1]);
         }
     for (; j + 2 * VW <= k; j += 2 * VW)
-        tile_block(w, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
+        tile_block(w, gs, gshift, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
         #pragma GCC unroll 4
@@ -296,21 +331,24 @@ dot_tile(const void *const *w, const float *const *x, const int k, const int NR,
             float s = hsum(sum);
             for (int q = j; q < k; q++)
                 s += (fmt == FT_E4M3 ? scalar_e4m3(((const uint8_t *)w[r])[q])
-                                     : scalar_w((const uint16_t *)w[r] + q, fmt)) * x[t][q];
+                      : fmt == FT_INT4 ? scalar_int4((const uint8_t *)w[r], q, gs[r], gshift)
+                                       : scalar_w((const uint16_t *)w[r] + q, fmt)) * x[t][q];
             res[r * MAXT + t] = s;
         }
 }
 
 /* The tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time: one specialised
- * body per shape. */
-static inline void dots(const void *const *w, const float *const *x, int k, int nr, int nt,
-                        int fmt, float *res) {
-#define CASE(R, T)                                              \
-    if (nr == R && nt == T) {                                   \
-        if (fmt == 0) dot_tile(w, x, k, R, T, 0, res);          \
-        else if (fmt == 1) dot_tile(w, x, k, R, T, 1, res);     \
-        else dot_tile(w, x, k, R, T, FT_E4M3, res);             \
-        return;                                                 \
+ * body per shape. int4: gs[r] row r's (scale, -zero * scale) pair per group of 2^gshift
+ * columns (NULL for the other formats). */
+static inline void dots(const void *const *w, const float *const *gs, int gshift,
+                        const float *const *x, int k, int nr, int nt, int fmt, float *res) {
+#define CASE(R, T)                                                              \
+    if (nr == R && nt == T) {                                                   \
+        if (fmt == 0) dot_tile(w, gs, gshift, x, k, R, T, 0, res);              \
+        else if (fmt == 1) dot_tile(w, gs, gshift, x, k, R, T, 1, res);         \
+        else if (fmt == FT_E4M3) dot_tile(w, gs, gshift, x, k, R, T, FT_E4M3, res); \
+        else dot_tile(w, gs, gshift, x, k, R, T, FT_INT4, res);                 \
+        return;                                                                 \
     }
     CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
     CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
@@ -330,15 +368,15 @@ static inline void permute_row(const float *src, float *dst, int64_t k) {
 }
 
 /* Within a parallel region, shared among its threads: x [T, K] in xfmt widened to float32
- * (wide), and for bf16 weights each row in their paired order into xp (xp == wide for fp16
- * weights). Ends with the worksharing loop's barrier. */
+ * (wide), and for bf16 and int4 weights each row in their paired order into xp (xp == wide
+ * for the others). Ends with the worksharing loop's barrier. */
 static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t k, int wfmt,
                               float *wide, float *xp) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < t_count; t++) {
         for (int64_t j = 0; j < k; j++)
             wide[t * k + j] = load_as(x, t * k + j, xfmt);
-        if (wfmt == 0)
+        if (paired_fmt(wfmt))
             permute_row(wide + t * k, xp + t * k, k);
     }
 }

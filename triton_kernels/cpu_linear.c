@@ -23,7 +23,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
     float *wide = malloc(2 * (t_count ? t_count : 1) * k * sizeof *wide);
     if (!wide)
         return -1;
-    float *xp = wfmt == 0 ? wide + t_count * k : wide;
+    float *xp = paired_fmt(wfmt) ? wide + t_count * k : wide;
     const int64_t rows = item_rows(n, threads);
     const int64_t items = (n + rows - 1) / rows;
     const int64_t cb = (k + bk - 1) / bk;   /* fp8: column blocks of a row block's scales */
@@ -66,7 +66,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     for (int q = 0; q < nr; q++)
                         ws[q] = row_at(w, r + q, k, wfmt);
                     float res[MAXR * MAXT];
-                    dots(ws, xv, (int)k, nr, nt, wfmt, res);
+                    dots(ws, NULL, 0, xv, (int)k, nr, nt, wfmt, res);
                     for (int q = 0; q < nr; q++)
                         for (int t = 0; t < nt; t++)
                             store_as(out, (t0 + t) * n + r + q,

@@ -13,10 +13,12 @@
  * Shapes (P = T * k (token, expert) pairs, S slots in the banks, D hidden, I expert width):
  *   x [T, D] in xfmt (0 bf16, 1 fp16, 2 f32), ids [T, k] i64 (expert ids; slot_map [n_map]
  *   i64 maps them to slots, or NULL),
- *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] (fmt: 0 bf16, 1 fp16, 3 fp8 e4m3), rows
- *   [0, I) of w13 the gate and [I, 2I) the up; fp8: s13 [S, ceil(2I/bn), ceil(D/bk)] and
- *   s2 [S, ceil(D/bn), ceil(I/bk)] f32, the scale of each (bn, bk) block (x is scaled per
- *   block instead of the weights: a row block's x once for its rows), else NULL;
+ *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] (fmt: 0 bf16, 1 fp16, 3 fp8 e4m3, 4 int4
+ *   [.., K/2] bytes), rows [0, I) of w13 the gate and [I, 2I) the up; fp8: s13
+ *   [S, ceil(2I/bn), ceil(D/bk)] and s2 [S, ceil(D/bn), ceil(I/bk)] f32, the scale of each
+ *   (bn, bk) block (x is scaled per block instead of the weights: a row block's x once for
+ *   its rows); int4: s13 [S, 2I, D/G, 2] and s2 [S, D, I/G, 2] f32, each row's (scale,
+ *   -zero * scale) per group of G = bk columns (a power of two from 32); else NULL;
  *   b13 [S, 2I] and b2 [S, D] f32 or NULL;
  *   act [P, I] f32 and acc [T, D] f32 scratch; out [T, D] in ofmt (as xfmt; rounded once);
  *   threads: the team (the caller's torch thread count).
@@ -48,6 +50,10 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     /* fp8: the scales of row block rb and column block cb of an expert's w13 and w2. */
     const int64_t rb13 = (2 * width + bn - 1) / bn, cb13 = (d + bk - 1) / bk;
     const int64_t rb2 = (d + bn - 1) / bn, cb2 = (width + bk - 1) / bk;
+    /* int4: the group's log2 (bk = G), and a row's group pairs (2 floats a group) */
+    const int gshift = fmt == FT_INT4 ? __builtin_ctzll((unsigned long long)bk) : 0;
+    if (fmt == FT_INT4 && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
+        return -3;
     const int64_t pairs = t_count * k_count;
     /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
@@ -91,7 +97,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     /* x's rows in the order the weight rows are read (paired_index). */
     /* x widened to float32 (wide), in the weight format's order (xp: paired for bf16). */
     float *wide = malloc(2 * (t_count ? t_count : 1) * d * sizeof *wide);
-    float *xp = fmt == 0 ? wide + t_count * d : wide;
+    float *xp = paired_fmt(fmt) ? wide + t_count * d : wide;
     if (!wide) {
         free(start), free(order), free(used);
         return -1;
@@ -155,9 +161,13 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             nr = fp8_rows(row, nr, bn, bk, &block, xs, xv, nt, xsc, d,
                                           s13 + s * rb13 * cb13, cb13);
                         const void *w[MAXR];
-                        for (int r = 0; r < nr; r++)
+                        const float *gs[MAXR];
+                        for (int r = 0; r < nr; r++) {
                             w[r] = row_at(w13, s * 2 * width + row + r, d, fmt);
-                        dots(w, xv, (int)d, nr, nt, fmt, res[i - i0]);
+                            gs[r] = fmt == FT_INT4 ? s13 + (s * 2 * width + row + r) * cb13 * 2
+                                                   : NULL;
+                        }
+                        dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, res[i - i0]);
                         i += nr;
                     }
                 }
@@ -199,10 +209,13 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             nr = fp8_rows(r, nr, bn, bk, &block, hs, hv, nt, xsc, width,
                                           s2 + s * rb2 * cb2, cb2);
                         const void *w[MAXR];
-                        for (int q = 0; q < nr; q++)
+                        const float *gs[MAXR];
+                        for (int q = 0; q < nr; q++) {
                             w[q] = row_at(w2, s * d + r + q, width, fmt);
+                            gs[q] = fmt == FT_INT4 ? s2 + (s * d + r + q) * cb2 * 2 : NULL;
+                        }
                         float res[MAXR * MAXT];
-                        dots(w, hv, (int)width, nr, nt, fmt, res);
+                        dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, res);
                         for (int q = 0; q < nr; q++)
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];

@@ -42,7 +42,7 @@ _SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_r
 _HEADERS = ("cpu_dot.h",)
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
-_WEIGHT_FORMATS = {**_FORMATS, E4M3: 3}             # 3: cpu_dot.h's FT_E4M3
+_WEIGHT_FORMATS = {**_FORMATS, E4M3: 3, torch.uint8: 4}   # cpu_dot.h's FT_E4M3, FT_INT4
 _IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
@@ -91,35 +91,48 @@ class NativeKernels:
             scales: tuple[torch.Tensor, torch.Tensor] | None = None,
             block: tuple[int, int] = (128, 128)) -> torch.Tensor:
         """x [T, D] (any float dtype) through the routed experts of w13 [S, 2I, D] and
-        w2 [S, D, I] (both bf16, both fp16, or both fp8 e4m3 with their block scales,
-        contiguous, on the CPU) -> [T, D] in out_dtype (bf16, fp16 or float32: summed in
-        float32, rounded once), on torch's thread count. fp8: scales (s13 [S, ceil(2I/bn),
-        ceil(D/bk)], s2 [S, ceil(D/bn), ceil(I/bk)]) float32, block (bn, bk)."""
+        w2 [S, D, I] (both bf16, both fp16, both fp8 e4m3 with their block scales, or both
+        int4 nibbles [.., K/2] uint8 with their group scales; contiguous, on the CPU) ->
+        [T, D] in out_dtype (bf16, fp16 or float32: summed in float32, rounded once), on
+        torch's thread count. fp8: scales (s13 [S, ceil(2I/bn), ceil(D/bk)], s2 [S,
+        ceil(D/bn), ceil(I/bk)]) float32, block (bn, bk). int4: scales (s13 [S, 2I, D/G, 2],
+        s2 [S, D, I/G, 2]) float32, each group's (scale, -zero * scale) (NativeInt4Bank),
+        block (1, G), G a power of two from 32 dividing D and I."""
         t, d = x.shape
-        slots, width = w2.shape[0], w2.shape[2]
-        fp8 = w13.dtype == E4M3
-        if fp8:
-            bn, bk = block
+        fp8, int4 = w13.dtype == E4M3, w13.dtype == torch.uint8
+        slots, width = w2.shape[0], w2.shape[2] * (2 if int4 else 1)
+        cols = 2 if int4 else 1                 # weights a stored element holds
+        bn, bk = block
+        if fp8 or int4:
             s13, s2 = scales if scales is not None else (None, None)
-            want13 = (slots, -(-2 * width // bn), -(-d // bk))
-            want2 = (slots, -(-d // bn), -(-width // bk))
+            if fp8:
+                want13 = (slots, -(-2 * width // bn), -(-d // bk))
+                want2 = (slots, -(-d // bn), -(-width // bk))
+            else:
+                want13 = (slots, 2 * width, d // max(bk, 1), 2)
+                want2 = (slots, d, width // max(bk, 1), 2)
             if not (isinstance(s13, torch.Tensor) and isinstance(s2, torch.Tensor)
                     and s13.dtype == s2.dtype == torch.float32 and s13.is_contiguous()
                     and s2.is_contiguous() and tuple(s13.shape) == want13
-                    and tuple(s2.shape) == want2):
-                raise ValueError(f"native MoE: fp8 experts need float32 block scales "
-                                 f"{list(want13)} and {list(want2)} for block {block}, got "
+                    and tuple(s2.shape) == want2
+                    and (fp8 or (bn == 1 and bk >= 32 and bk & (bk - 1) == 0
+                                 and d % bk == 0 and width % bk == 0))):
+                raise ValueError(f"native MoE: {'fp8' if fp8 else 'int4'} experts need float32 "
+                                 f"{'block' if fp8 else 'group'} scales {list(want13)} and "
+                                 f"{list(want2)} for block {block}, got "
                                  f"{None if s13 is None else tuple(s13.shape)} and "
                                  f"{None if s2 is None else tuple(s2.shape)}")
-        if not (w13.dtype == w2.dtype and (self.handles(w13.dtype) or fp8)
+        if not (w13.dtype == w2.dtype and (self.handles(w13.dtype) or fp8 or int4)
                 and w13.is_contiguous()
                 and w2.is_contiguous() and w13.device.type == w2.device.type == "cpu"
-                and tuple(w13.shape) == (slots, 2 * width, d)
-                and tuple(w2.shape) == (slots, d, width)
+                and d % cols == 0
+                and tuple(w13.shape) == (slots, 2 * width, d // cols)
+                and tuple(w2.shape) == (slots, d, width // cols)
                 and tuple(topk_ids.shape) == tuple(topk_weights.shape)
                 and topk_ids.shape[0] == t and out_dtype in _IO_FORMATS):
             raise ValueError(f"native MoE: w13 [S, 2I, D] and w2 [S, D, I] in one 16-bit dtype "
-                             f"on the CPU and ids/weights [T, k] expected, got w13 "
+                             f"(or fp8, or int4 pairs) on the CPU and ids/weights [T, k] "
+                             f"expected, got w13 "
                              f"{tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, "
                              f"x {tuple(x.shape)}, ids {tuple(topk_ids.shape)}")
         out = torch.empty(t, d, dtype=out_dtype)
@@ -135,7 +148,7 @@ class NativeKernels:
                        0 if smap is None else smap.data_ptr(),
                        0 if smap is None else smap.numel(), weights.data_ptr(), t,
                        ids.shape[1], w13.data_ptr(), w2.data_ptr(),
-                       *((s13.data_ptr(), s2.data_ptr(), bn, bk) if fp8 else (0, 0, 1, 1)),
+                       *((s13.data_ptr(), s2.data_ptr(), bn, bk) if fp8 or int4 else (0, 0, 1, 1)),
                        *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
                        _WEIGHT_FORMATS[w13.dtype], ACTIVATIONS[activation], alpha, limit,
                        torch.get_num_threads(), scratch.data_ptr(),
@@ -356,17 +369,53 @@ class NativeFp8Bank:
         self.nbytes = self.checkpoint_bytes + (prefill.nbytes if prefill is not None else 0)
 
 
+class NativeInt4Bank:
+    """A bank of int4 experts [E, N, K] (the checkpoint's nibbles q [E, N, K/2] uint8 as they
+    are, element 2j low; scales s [E, N, K/G] and zero points z uint8, or 8 where symmetric)
+    that the native kernel computes: each group of G weights decoded in registers as
+    q * s + m (m = -z * s: W = (q - z) * s, the reference's values; exactly, for 16-bit
+    scales), half a byte a weight read. gs [E, N, K/G, 2] float32 holds each group's (s, m):
+    8 bytes a group (G 128: 1/16 of the nibbles' bytes), the only bytes it adds."""
+
+    float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
+    dtype = torch.uint8
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, group: int,
+                 kernel: NativeKernels):
+        experts, n, half = q.shape
+        k = 2 * half
+        if not (q.dtype == torch.uint8 and q.device.type == "cpu" and group >= 32
+                and group & (group - 1) == 0 and k % group == 0
+                and tuple(s.shape) == (experts, n, k // group) and s.is_floating_point()
+                and (z is None or (z.dtype == torch.uint8 and z.shape == s.shape))):
+            raise ValueError(f"NativeInt4Bank: nibbles [E, N, K/2] uint8 with scales (and zero "
+                             f"points) [E, N, K/G], G a power of two from 32, expected, got q "
+                             f"{tuple(q.shape)} {q.dtype}, s {tuple(s.shape)} {s.dtype}, "
+                             f"group {group}")
+        scale = s.float()
+        zero = torch.full_like(scale, 8.0) if z is None else z.float()
+        self.q = q.detach().contiguous()
+        self.gs = torch.stack([scale, -zero * scale], dim=-1).contiguous()
+        self.group, self.kernel = group, kernel
+        self.experts, self.n, self.k = experts, n, k
+        self.checkpoint_bytes = self.q.numel()
+        self.nbytes = self.q.numel() + self.gs.numel() * 4
+
+
 def moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
                activation) -> torch.Tensor:
-    """fused_moe for two native banks (NativeBank or NativeFp8Bank, of one kind, kernel and
-    dtype): [T, D] in x's dtype (summed in float32, rounded once)."""
+    """fused_moe for two native banks (NativeBank, NativeFp8Bank or NativeInt4Bank, of one
+    kind, kernel and dtype): [T, D] in x's dtype (summed in float32, rounded once)."""
     if not (type(w2) is type(w13) and w2.kernel is w13.kernel and w2.dtype == w13.dtype
-            and (not isinstance(w13, NativeFp8Bank) or w13.block == w2.block)):
+            and (not isinstance(w13, NativeFp8Bank) or w13.block == w2.block)
+            and (not isinstance(w13, NativeInt4Bank) or w13.group == w2.group)):
         raise ValueError(f"fused_moe: w13 and w2 must both be native banks of one kernel and "
                          f"dtype, got {_describe(w13)} and {_describe(w2)}")
-    fp8 = isinstance(w13, NativeFp8Bank)
-    extra = dict(scales=(w13.s, w2.s), block=w13.block) if fp8 else {}
-    return w13.kernel.moe(x, w13.q if fp8 else w13.weight, w2.q if fp8 else w2.weight,
+    fp8, int4 = isinstance(w13, NativeFp8Bank), isinstance(w13, NativeInt4Bank)
+    extra = (dict(scales=(w13.s, w2.s), block=w13.block) if fp8
+             else dict(scales=(w13.gs, w2.gs), block=(1, w13.group)) if int4 else {})
+    return w13.kernel.moe(x, w13.q if fp8 or int4 else w13.weight,
+                          w2.q if fp8 or int4 else w2.weight,
                           topk_weights, topk_ids, slot_map, b13, b2,
                           activation.kind, activation.alpha, activation.limit,
                           out_dtype=x.dtype if x.dtype in _IO_FORMATS else torch.float32,
@@ -437,6 +486,6 @@ def _build() -> Path:
 
 
 def _describe(w) -> str:
-    if isinstance(w, (NativeBank, NativeFp8Bank)):
+    if isinstance(w, (NativeBank, NativeFp8Bank, NativeInt4Bank)):
         return f"NativeBank [{w.experts}, {w.n}, {w.k}] {w.dtype}"
     return f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))}"

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from triton_kernels.dequant import (E2M1_VALUES, QuantFormat, _check_linear, _check_moe,
                                     _expert, dequantize_reference, e8m0_to_float, weight_shape)
 from triton_kernels.cpu_matmul import Fp16Bank, widens
-from triton_kernels.cpu_native import NativeBank, NativeFp8Bank
+from triton_kernels.cpu_native import NativeBank, NativeFp8Bank, NativeInt4Bank
 from triton_kernels.fused_moe import (SILU, MoeActivation, _activate, fused_moe_reference,
                                       moe_one_token)
 from triton_kernels.int4_cpu import Int4Packed, fused_moe_int4_cpu
@@ -309,14 +309,13 @@ def fused_moe_quant_cpu(x, fmt, w13, w2, topk_weights, topk_ids, slot_map=None, 
     """fused_moe_quant_reference's arithmetic, each routed expert decoded once into
     `decoder`'s buffers (a fresh Decoder when None) and its tokens run through two matmuls
     (Decoder.linear: fp8 experts' scales kept out of the weight, so to bf16's rounding, not
-    bit-equal). Banks packed for the CPU run torch's int4 GEMM (int4_cpu.Int4Packed) or,
-    decoded once, the native kernel (cpu_native.NativeBank; fp8 from its bytes, NativeFp8Bank)
-    or the fp16-weight GEMM
-    (cpu_matmul.Fp16Bank) instead."""
+    bit-equal). Banks packed for the CPU run torch's int4 GEMM (int4_cpu.Int4Packed), the
+    native kernel (cpu_native.NativeBank decoded once; fp8 and int4 from their bytes,
+    NativeFp8Bank, NativeInt4Bank) or the fp16-weight GEMM (cpu_matmul.Fp16Bank) instead."""
     if isinstance(w13, Int4Packed):          # a bank only the CPU reads, packed for it
         return fused_moe_int4_cpu(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13,
                                   b2=b2, activation=activation)
-    if isinstance(w13, (Fp16Bank, NativeBank, NativeFp8Bank)):
+    if isinstance(w13, (Fp16Bank, NativeBank, NativeFp8Bank, NativeInt4Bank)):
         return fused_moe_reference(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13,
                                    b2=b2, activation=activation)
     _check_moe(x, fmt, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
 from triton_kernels.cpu_linear import GEMM_ROWS
-from triton_kernels.cpu_native import NativeBank, NativeFp8Bank, moe_native
+from triton_kernels.cpu_native import NativeBank, NativeFp8Bank, NativeInt4Bank, moe_native
 from triton_kernels.moe_align import moe_align
 
 
@@ -79,6 +79,8 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                    slot_map, b13, b2, activation)
             if prefill is not None:     # a prefill chunk: their bf16 copy on AMX
                 return prefill
+        return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
+    if isinstance(w13, NativeInt4Bank):  # int4 experts only the CPU computes, from their nibbles
         return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, NativeBank):     # experts only the CPU computes, by the native kernel
         prefill = _amx_prefill(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
@@ -776,6 +778,6 @@ def _check_moe_args(x, w13, w2, topk_weights, topk_ids, slot_map, b13=None, b2=N
 def fused_moe(x, w13, w2, topk_weights, topk_ids, slot_map=None, *, b13=None, b2=None,
               activation: MoeActivation = SILU):
     op = (fused_moe_triton if use_triton(x)
-          and not isinstance(w13, (Fp16Bank, NativeBank, NativeFp8Bank))
+          and not isinstance(w13, (Fp16Bank, NativeBank, NativeFp8Bank, NativeInt4Bank))
           else fused_moe_reference)
     return op(x, w13, w2, topk_weights, topk_ids, slot_map, b13=b13, b2=b2, activation=activation)

@@ -103,17 +103,33 @@ class QuantExpertLayout(ExpertLayout):
 
     def packs_cpu(self, bank: dict) -> bool:
         """Whether pack_cpu would pack this bank (without packing it)."""
-        return self._fp8_native(bank) is not None or self._int4_packable(bank)
+        return (self._fp8_native(bank) is not None or self._int4_native(bank) is not None
+                or self._int4_packable(bank))
+
+    def _int4_native(self, bank: dict) -> tk.NativeKernels | None:
+        """The native kernel, where it computes this bank from its nibbles: int4 experts of a
+        16-bit model on the CPU, in groups the kernel takes (a power of two from 32)."""
+        kernel = tk.native_kernels()
+        g = self.fmt.group
+        if (kernel is None or self.fmt.kind != "int4" or self.dtype == torch.float32
+                or g < 32 or g & (g - 1)):
+            return None
+        w = [self.weights(bank, which) for which in ("w13", "w2")]
+        if not all(isinstance(t, dict) and t["q"].device.type == "cpu"
+                   and t["q"].dtype == torch.uint8 and (2 * t["q"].shape[-1]) % g == 0
+                   for t in w):
+            return None
+        return kernel
 
     def _int4_packable(self, bank: dict) -> bool:
         return all(isinstance(w, dict) and tk.packable_int4(self.fmt, w, self.dtype)
                    for w in (self.weights(bank, which) for which in ("w13", "w2")))
 
     def packs_in_place(self, bank: dict) -> bool:
-        """fp8 banks for the native kernel read the checkpoint's bytes in place (a prefill
-        copy beside them only where spare bytes allow); the int4 GEMM's and the decoded forms
-        are new tensors."""
-        return self._fp8_native(bank) is not None
+        """fp8 and int4 banks for the native kernel read the checkpoint's bytes in place (an
+        fp8 prefill copy beside them only where spare bytes allow, int4's group scales in
+        float32); the int4 GEMM's and the decoded forms are new tensors."""
+        return self._fp8_native(bank) is not None or self._int4_native(bank) is not None
 
     def _fp8_native(self, bank: dict) -> tk.NativeKernels | None:
         """The native kernel, where it computes this bank from its fp8 bytes: fp8_block
@@ -131,7 +147,10 @@ class QuantExpertLayout(ExpertLayout):
     def pack_cpu(self, bank: dict, split: tk.CpuSplit | None = None,
                  spare_bytes: int = 0) -> dict | None:
         """A bank only the CPU computes, {"w13.q": [E, ..], ..}, repacked for a CPU GEMM:
-        - INT4 in bf16: for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the
+        - INT4 in a 16-bit model, groups a power of two from 32: the checkpoint's nibbles as
+          they are, for the native kernel (cpu_native.NativeInt4Bank: half a byte a weight
+          read; a batch-1 layer ~0.4x a bf16 bank's time), {"w13": NativeInt4Bank, ..};
+        - INT4 in bf16 otherwise (no native kernel): for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the
           checkpoint's bytes, 1.8x torch's bf16 product at 1 row and 3-12x the tile decode):
           {"w13": Int4Packed, "w2": .., biases};
         - fp8_block in a 16-bit model: the checkpoint's bytes as they are, for the native
@@ -151,6 +170,11 @@ class QuantExpertLayout(ExpertLayout):
           2^-14 up (the tile decode rounds it to bf16's 8; below, within an absolute 2^-25).
         None where none applies."""
         biases = {name: t for name, t in bank.items() if name in ("b13", "b2")}
+        if (kernel := self._int4_native(bank)) is not None:
+            return {which: tk.NativeInt4Bank(w["q"], w["s"], w.get("z"), self.fmt.group, kernel)
+                    for which, w in (("w13", self.weights(bank, "w13")),
+                                     ("w2", self.weights(bank, "w2")))} | {
+                        name: t.float() for name, t in biases.items()}
         if self._int4_packable(bank):
             return {which: tk.Int4Packed(self.fmt, self.weights(bank, which))
                     for which in ("w13", "w2")} | biases

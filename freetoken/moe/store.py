@@ -161,12 +161,14 @@ def _packed_bytes(bank: dict, source: dict | None = None) -> int:
     those a native bank reads in place from source's tensors."""
     def own(which: str) -> int:
         packed, src = bank[which], source or {}
-        t = src.get(f"{which}.q" if isinstance(packed, tk.NativeFp8Bank) else which)
+        from_bytes = isinstance(packed, (tk.NativeFp8Bank, tk.NativeInt4Bank))
+        t = src.get(f"{which}.q" if from_bytes else which)
         in_place = isinstance(t, torch.Tensor) and t.data_ptr() == (
-            packed.q.data_ptr() if isinstance(packed, tk.NativeFp8Bank)
+            packed.q.data_ptr() if from_bytes
             else packed.weight.data_ptr() if isinstance(packed, tk.NativeBank) else -1)
         if not in_place:
             return packed.nbytes
-        # an fp8 bank's bytes are the source's; its bf16 prefill copy is its own
-        return packed.nbytes - packed.checkpoint_bytes if isinstance(packed, tk.NativeFp8Bank) else 0
+        # an fp8 or int4 bank's bytes are the source's; an fp8 prefill copy and int4's float32
+        # group scales are its own
+        return packed.nbytes - packed.checkpoint_bytes if from_bytes else 0
     return sum(own(which) for which in ("w13", "w2"))
