@@ -80,6 +80,35 @@ def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, x
         kernel.linear(x, q[0], b)
 
 
+@pytest.mark.parametrize("group,symmetric", [(32, False), (64, True)])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+def test_native_int4_linear_matches_the_decoded_weight_in_float64(group, symmetric, xdtype,
+                                                                  threads):
+    # int4 nibbles with (scale, -zero * scale) pairs per group, against float64 on the
+    # reference's decode; the same bits on 1-3 threads; bad groups refused.
+    from freetoken.models.quant.quantize import quantize_weight
+    from triton_kernels.dequant import QuantFormat
+    fmt = QuantFormat("int4", group=group, symmetric=symmetric)
+    for t in (1, 3, 4, 9):
+        x, w, b = case(t, t, 37, 256, torch.float32, xdtype)
+        qw = quantize_weight(fmt, w, scale_dtype=torch.bfloat16)
+        deq = tk.dequantize_reference(fmt, qw, torch.float32)
+        pairs = tk.int4_group_pairs(qw["s"], qw.get("z"))
+        outs = []
+        for nthreads in (1, 2, 3):
+            threads(nthreads)
+            outs.append(kernel.linear(x, qw["q"], b, scales=pairs, block=(1, group)))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        want = F.linear(x.double(), deq.double(), b.double())
+        ulp = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}[xdtype]
+        bound = want.abs() * ulp + (x.double().abs() @ deq.double().abs().T) * 2.0 ** -20
+        assert ((outs[0].double() - want).abs() <= bound).all(), t
+    with pytest.raises(ValueError, match="group scales"):
+        kernel.linear(x, qw["q"], b, scales=pairs, block=(1, 16))
+    with pytest.raises(ValueError, match="group scales"):
+        kernel.linear(x, qw["q"], b, scales=pairs[:, :1], block=(1, group))
+
+
 def test_native_linear_rounds_to_nearest_even_and_keeps_nan():
     # 1 + 2^-8 lies halfway between two bf16 values: nearest even is 1; just above rounds up.
     w = torch.ones(3, 1, dtype=torch.bfloat16)

@@ -140,6 +140,16 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model):
         model = llm.runner.model
         qlin = [m for m in model.modules() if isinstance(m, QuantLinear)]
         assert qlin and all(isinstance(m.packed, tk.Int4Packed) for m in qlin), name
+        # decode rows: the native GEMV on the checkpoint's nibbles where it is built, the
+        # same weight as the int4 GEMM's 8 rows to its bf16 (scale, zero) rounding
+        native = tk.native_kernels() is not None
+        assert all((m.rows is not None) == native for m in qlin), name
+        g = torch.Generator().manual_seed(0)
+        for m in qlin:
+            x = torch.randn(8, m.in_features, generator=g).bfloat16()
+            one = torch.cat([m(x[i:i + 1]) for i in range(8)]).float()
+            many = m(x).float()
+            assert ((one - many).norm() / many.norm()).item() < 2e-2, name
         blocks = model.moe_blocks()
         # the experts: the native kernel on the checkpoint's nibbles where it is built
         store = llm.runner.expert_store

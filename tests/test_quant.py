@@ -371,8 +371,8 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     # fp8 keeps its bytes for the decode rows' GEMV (block scales, or the tensor's as one
     # block; q, k and v's concatenated where their row blocks line up: BLOCK's 16 rows do)
     fp8 = quant in ("fp8", "fp8-tensor") and tk.native_kernels() is not None
-    assert all((m.packed.fp8 is not None) == fp8 for m in qlin)
-    assert all((a.qkv_packed.fp8 is not None) == (fp8 and quant == "fp8") for a in attns)
+    assert all((m.packed.quant is not None) == fp8 for m in qlin)
+    assert all((a.qkv_packed.quant is not None) == (fp8 and quant == "fp8") for a in attns)
     # Row by row (the native GEMV, from the fp8 bytes where kept) against 8 rows at once
     # (the GEMM on the 16-bit copy): the same weight, to bf16's rounding of its copy.
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,9 @@
  * widened once inside the call and y written in its dtype.
  *
  * Formats: w 0 bf16, 1 fp16, 3 fp8 e4m3 (scales [ceil(N/bn), ceil(K/bk)] f32, the scale of
- * each (bn, bk) block, applied to x per row block as cpu_moe.c does; else NULL); x and out
+ * each (bn, bk) block, applied to x per row block as cpu_moe.c does), 4 int4 ([N, K/2]
+ * nibbles; scales [N, K/G, 2] f32, each group's (scale, -zero * scale), G = bk a power of
+ * two from 2 * VW dividing K); else scales NULL; x and out
  * 0 bf16, 1 fp16, 2 float32. Each output is one dot product summed in a fixed order (vector
  * lanes, then across them), plus the bias, rounded once to out's format (nearest even): the
  * same bits on any thread count.
@@ -24,6 +26,11 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
     if (!wide)
         return -1;
     float *xp = paired_fmt(wfmt) ? wide + t_count * k : wide;
+    const int gshift = wfmt == FT_INT4 ? __builtin_ctzll((unsigned long long)bk) : 0;
+    if (wfmt == FT_INT4 && (bk < 2 * VW || (bk & (bk - 1)) || k % bk)) {
+        free(wide);
+        return -3;
+    }
     const int64_t rows = item_rows(n, threads);
     const int64_t items = (n + rows - 1) / rows;
     const int64_t cb = (k + bk - 1) / bk;   /* fp8: column blocks of a row block's scales */
@@ -63,10 +70,13 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     if (wfmt == FT_E4M3)
                         nr = fp8_rows(r, nr, bn, bk, &block, xs, xv, nt, xsc, k, scales, cb);
                     const void *ws[MAXR];
-                    for (int q = 0; q < nr; q++)
+                    const float *gs[MAXR];
+                    for (int q = 0; q < nr; q++) {
                         ws[q] = row_at(w, r + q, k, wfmt);
+                        gs[q] = wfmt == FT_INT4 ? scales + (r + q) * (k >> gshift) * 2 : NULL;
+                    }
                     float res[MAXR * MAXT];
-                    dots(ws, NULL, 0, xv, (int)k, nr, nt, wfmt, res);
+                    dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, res);
                     for (int q = 0; q < nr; q++)
                         for (int t = 0; t < nt; t++)
                             store_as(out, (t0 + t) * n + r + q,

@@ -11,10 +11,10 @@ for each row count, from one weight held once.
 - Otherwise (no AMX, fp16 weights, no C compiler): FBGEMM's fp16-weight GEMM
   (cpu_matmul.Fp16Weight), as fast as anything torch has on AVX2 at every row count.
 
-A weight that comes as fp8 e4m3 with block scales (Fp8Rows: a checkpoint's fp8_block
-projection) keeps its bytes for the native GEMV's rows, 1 byte a weight read instead of 2
-([1536, 1024]: 0.079 ms a row against 0.099 in bf16), and a decoded 16-bit copy for the
-GEMMs.
+A weight that comes quantized (QuantRows: a checkpoint's fp8 projection with block or
+tensor scales, or an int4 one) keeps its bytes for the native GEMV's rows, 1 or half a byte
+a weight read instead of 2 ([1536, 1024] fp8: 0.079 ms a row against 0.099 in bf16), and a
+decoded 16-bit copy for the GEMMs.
 
 All sum in float32; the native and FBGEMM products round once to x's dtype, oneDNN's bf16
 product rounds as F.linear does. A packed model is held to tolerance, not to HF's bits.
@@ -35,10 +35,12 @@ GEMM_ROWS = 8       # from here, with AMX and a bf16 weight: torch's bf16 produc
 
 
 @dataclass(frozen=True)
-class Fp8Rows:
-    """A weight's fp8 form for the native GEMV: q [N, K] e4m3, s [ceil(N/bn), ceil(K/bk)]
-    float32, block (bn, bk). own: made for the product (a fused copy: its bytes count in
-    CpuLinear.nbytes), else a checkpoint's tensors."""
+class QuantRows:
+    """A weight's quantized form for the native GEMV (NativeKernels.linear): fp8, q [N, K]
+    e4m3 with s [ceil(N/bn), ceil(K/bk)] float32 block scales, block (bn, bk); or int4,
+    q [N, K/2] nibbles with s [N, K/G, 2] float32 (scale, -zero * scale) pairs, block
+    (1, G). own: made for the product (a fused copy: its bytes count in CpuLinear.nbytes),
+    else a checkpoint's tensors."""
     q: torch.Tensor
     s: torch.Tensor
     block: tuple[int, int]
@@ -48,6 +50,10 @@ class Fp8Rows:
     def nbytes(self) -> int:
         return self.q.numel() + self.s.numel() * 4
 
+    def linear(self, kernel: NativeKernels, rows: torch.Tensor,
+               bias32: torch.Tensor | None) -> torch.Tensor:
+        return kernel.linear(rows, self.q, bias32, scales=self.s, block=self.block)
+
 
 class CpuLinear:
     """x [.., K] @ weight [N, K]^T + bias -> [.., N] in x's dtype (see the module doc for the
@@ -55,12 +61,12 @@ class CpuLinear:
     module's parameter is not copied). kernel: the native library (None: no GEMV);
     amx: whether bf16 products of GEMM_ROWS and more go to oneDNN. own_weight: the weight
     was made for this product (a fused or decoded copy), so its bytes count in nbytes, the
-    host RAM the packing added. fp8: the same weight as fp8 bytes, which the native GEMV
-    reads instead."""
+    host RAM the packing added. quant: the same weight quantized (QuantRows), which the
+    native GEMV reads instead."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                  kernel: NativeKernels | None, amx: bool, own_weight: bool = False,
-                 fp8: Fp8Rows | None = None):
+                 quant: QuantRows | None = None):
         if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"CpuLinear: a 16-bit weight [N, K] expected, got "
                              f"{tuple(weight.shape)} {weight.dtype}")
@@ -68,24 +74,23 @@ class CpuLinear:
         self.bias = None if bias is None else bias.detach()
         self.bias32 = None if bias is None else self.bias.float().contiguous()
         self.kernel = kernel
-        self.fp8 = fp8 if kernel is not None else None
+        self.quant = quant if kernel is not None else None
         self.gemm = amx and weight.dtype == torch.bfloat16
         weight = weight.detach().contiguous()
         self.bias16 = None if bias is None else self.bias.to(weight.dtype)     # oneDNN's
         # FBGEMM's packing only for the rows neither other product takes; the weight itself
         # only where a product reads it.
         self.fbgemm = None if (self.gemm and kernel is not None) else Fp16Weight(weight, bias)
-        self.weight = weight if ((kernel is not None and self.fp8 is None) or self.gemm) else None
+        self.weight = weight if ((kernel is not None and self.quant is None) or self.gemm) else None
         self.nbytes = ((self.fbgemm.nbytes if self.fbgemm is not None else 0)
                        + (weight.numel() * 2 if own_weight and self.weight is not None else 0)
-                       + (self.fp8.nbytes if self.fp8 is not None and self.fp8.own else 0))
+                       + (self.quant.nbytes if self.quant is not None and self.quant.own else 0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         n = rows.shape[0]
-        if self.fp8 is not None and n < NATIVE_ROWS:
-            y = self.kernel.linear(rows, self.fp8.q, self.bias32, scales=self.fp8.s,
-                                   block=self.fp8.block)
+        if self.quant is not None and n < NATIVE_ROWS:
+            y = self.quant.linear(self.kernel, rows, self.bias32)
         elif self.kernel is not None and n < NATIVE_ROWS:
             y = self.kernel.linear(rows, self.weight, self.bias32)
         elif self.gemm and (self.fbgemm is None or n >= GEMM_ROWS):
@@ -97,15 +102,15 @@ class CpuLinear:
 
 def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                own_weight: bool = False, dtype: torch.dtype | None = None,
-               fp8: Fp8Rows | None = None) -> CpuLinear | None:
+               quant: QuantRows | None = None) -> CpuLinear | None:
     """The CPU engine's product for a weight [N, K] on this machine's kernels, None where none
     takes it (outside float16's range where FBGEMM is needed, a torch without FBGEMM).
     - bf16 or fp16: held as it is (own_weight: see CpuLinear).
     - float32, a weight decoded from a quantized format (fp8, the 4-bit float formats) for a
       model computing in `dtype`: one 2-byte copy, bf16 for the native GEMV and AMX's GEMM
       in a bf16 model where both run (bf16's rounding, the tile decode's), else float16
-      packed for FBGEMM alone (11 bits from 2^-14 up); fp8: its fp8 bytes for the native
-      GEMV's rows (the copy then serves the GEMMs' only).
+      packed for FBGEMM alone (11 bits from 2^-14 up); quant: its quantized bytes for the
+      native GEMV's rows (the copy then serves the GEMMs' only).
     The weight stays where a product reads it."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel():
         return None
@@ -113,11 +118,11 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     if weight.dtype == torch.float32:
         if kernel is not None and amx and dtype == torch.bfloat16:
             return CpuLinear(weight.bfloat16(), bias, kernel=kernel, amx=True, own_weight=True,
-                             fp8=fp8)
+                             quant=quant)
         if not packable(weight, decoded=True):
             return None
-        return CpuLinear(weight.half(), bias, kernel=kernel if fp8 is not None else None,
-                         amx=False, own_weight=True, fp8=fp8)
+        return CpuLinear(weight.half(), bias, kernel=kernel if quant is not None else None,
+                         amx=False, own_weight=True, quant=quant)
     if weight.dtype not in (torch.bfloat16, torch.float16):
         return None
     needs_fbgemm = not (kernel is not None and amx and weight.dtype == torch.bfloat16)

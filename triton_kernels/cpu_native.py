@@ -164,32 +164,43 @@ class NativeKernels:
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None, scales: torch.Tensor | None = None,
                block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-        """x [T, K] (bf16, fp16 or float32) @ weight [N, K]^T (bf16, fp16, or fp8 e4m3 with its
-        float32 block scales [ceil(N/bn), ceil(K/bk)] for block (bn, bk); contiguous) + bias
-        ([N] float32 or None) -> [T, N] in x's dtype, summed in float32 and rounded once, on
-        torch's thread count."""
-        n, k = weight.shape
-        fp8 = E4M3 is not None and weight.dtype == E4M3
+        """x [T, K] (bf16, fp16 or float32) @ weight [N, K]^T + bias ([N] float32 or None)
+        -> [T, N] in x's dtype, summed in float32 and rounded once, on torch's thread count.
+        weight (contiguous): bf16 or fp16; fp8 e4m3 with its float32 block scales
+        [ceil(N/bn), ceil(K/bk)] for block (bn, bk); or int4 nibbles [N, K/2] uint8 (element
+        2j low) with scales [N, K/G, 2] float32, each group's (scale, -zero * scale), block
+        (1, G), G a power of two from 32 dividing K."""
+        fp8, int4 = weight.dtype == E4M3, weight.dtype == torch.uint8
+        n, k = weight.shape[0], weight.shape[1] * (2 if int4 else 1)
         bn, bk = block
-        if not ((self.handles(weight.dtype) or fp8) and weight.is_contiguous() and x.dim() == 2
+        if fp8:
+            want = (-(-n // bn), -(-k // bk))
+        elif int4:
+            want = (n, k // max(bk, 1), 2)
+        if not ((self.handles(weight.dtype) or fp8 or int4) and weight.is_contiguous()
+                and weight.dim() == 2 and x.dim() == 2
                 and x.shape[1] == k and x.dtype in _IO_FORMATS
                 and x.device.type == weight.device.type == "cpu"
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
                                       and bias.is_contiguous()))
-                and (not fp8 or (isinstance(scales, torch.Tensor)
-                                 and scales.dtype == torch.float32 and scales.is_contiguous()
-                                 and tuple(scales.shape) == (-(-n // bn), -(-k // bk))))):
+                and (not (fp8 or int4) or (isinstance(scales, torch.Tensor)
+                                           and scales.dtype == torch.float32
+                                           and scales.is_contiguous()
+                                           and tuple(scales.shape) == want))
+                and (not int4 or (bn == 1 and bk >= 32 and bk & (bk - 1) == 0 and k % bk == 0))):
             raise ValueError(f"native linear: x [T, {k}] and a contiguous 16-bit weight "
                              f"[N, K] (or fp8 with float32 block scales [ceil(N/bn), "
-                             f"ceil(K/bk)]) on the CPU (bias [N] float32) expected, got x "
+                             f"ceil(K/bk)], or int4 with group scales [N, K/G, 2]) on the CPU "
+                             f"(bias [N] float32) expected, got x "
                              f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                              f"{weight.dtype}, scales "
                              f"{None if scales is None else tuple(scales.shape)}, block {block}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        quant = fp8 or int4
         rc = self._linear(x.data_ptr(), _IO_FORMATS[x.dtype], x.shape[0], weight.data_ptr(),
-                          _WEIGHT_FORMATS[weight.dtype], scales.data_ptr() if fp8 else 0,
-                          bn if fp8 else 1, bk if fp8 else 1,
+                          _WEIGHT_FORMATS[weight.dtype], scales.data_ptr() if quant else 0,
+                          bn if quant else 1, bk if quant else 1,
                           0 if bias is None else bias.data_ptr(), n, k,
                           out.data_ptr(), _IO_FORMATS[x.dtype], torch.get_num_threads())
         if rc != 0:
@@ -369,6 +380,15 @@ class NativeFp8Bank:
         self.nbytes = self.checkpoint_bytes + (prefill.nbytes if prefill is not None else 0)
 
 
+def int4_group_pairs(s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    """int4 scales [.., G groups] and zero points (None: symmetric, 8) -> the native kernels'
+    float32 pairs [.., G, 2]: (s, -z * s), so a weight decodes as q * s + (-z * s), which is
+    (q - z) * s exactly for 16-bit scales (z s needs 12 bits)."""
+    scale = s.detach().float()
+    zero = torch.full_like(scale, 8.0) if z is None else z.detach().float()
+    return torch.stack([scale, -zero * scale], dim=-1).contiguous()
+
+
 class NativeInt4Bank:
     """A bank of int4 experts [E, N, K] (the checkpoint's nibbles q [E, N, K/2] uint8 as they
     are, element 2j low; scales s [E, N, K/G] and zero points z uint8, or 8 where symmetric)
@@ -392,10 +412,8 @@ class NativeInt4Bank:
                              f"points) [E, N, K/G], G a power of two from 32, expected, got q "
                              f"{tuple(q.shape)} {q.dtype}, s {tuple(s.shape)} {s.dtype}, "
                              f"group {group}")
-        scale = s.float()
-        zero = torch.full_like(scale, 8.0) if z is None else z.float()
         self.q = q.detach().contiguous()
-        self.gs = torch.stack([scale, -zero * scale], dim=-1).contiguous()
+        self.gs = int4_group_pairs(s, z)
         self.group, self.kernel = group, kernel
         self.experts, self.n, self.k = experts, n, k
         self.checkpoint_bytes = self.q.numel()

@@ -88,21 +88,22 @@ def pack_fused(projs) -> tk.CpuLinear | None:
     fused = torch.cat([d if len(dtypes) == 1 else d.float() for d in dense])
     first = projs[0]                            # the model's compute dtype
     model_dtype = first.dtype if isinstance(first, QuantLinear) else first.weight.dtype
-    return tk.cpu_linear(fused, bias, own_weight=True, dtype=model_dtype, fp8=_fused_fp8(projs))
+    return tk.cpu_linear(fused, bias, own_weight=True, dtype=model_dtype,
+                         quant=_fused_rows(projs))
 
 
-def _fused_fp8(projs) -> tk.Fp8Rows | None:
-    """The projections' fp8 bytes as one weight (and their block scales as one), where all
+def _fused_rows(projs) -> tk.QuantRows | None:
+    """The projections' quantized bytes as one weight (and their scales as one), where all
     have them in one block shape and each but the last ends on a whole row block; else None
     (the fused product reads its 16-bit copy)."""
-    parts = [p.cpu_fp8() if isinstance(p, QuantLinear) else None for p in projs]
+    parts = [p.cpu_rows() if isinstance(p, QuantLinear) else None for p in projs]
     if any(f is None for f in parts) or len({f.block for f in parts}) != 1:
         return None
     bn = parts[0].block[0]
     if any(f.q.shape[0] % bn for f in parts[:-1]):
         return None
-    return tk.Fp8Rows(torch.cat([f.q for f in parts]), torch.cat([f.s for f in parts]),
-                      parts[0].block, own=True)
+    return tk.QuantRows(torch.cat([f.q for f in parts]), torch.cat([f.s for f in parts]),
+                        parts[0].block, own=True)
 
 
 class QuantLinear(nn.Module):
@@ -118,12 +119,14 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
         self.packed: tk.Int4Packed | tk.CpuLinear | None = None
+        self.rows: tk.QuantRows | None = None     # beside an Int4Packed: decode rows' GEMV
 
     def pack_cpu(self) -> int:
         """A quantized weight on the CPU, in 16 bits: keep a copy the CPU multiplies fast (the
         checkpoint's tensors stay for dequantized()).
         - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py), as many
-          bytes.
+          bytes, for 8 rows and more; fewer (decode) run the native GEMV on the checkpoint's
+          nibbles (cpu_rows).
         - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
           GEMM for: decoded once into a 2-byte copy for the CPU's products (cpu_linear: bf16
           for the native GEMV and AMX's GEMM in a bf16 model on an AMX CPU, else fp16 for the
@@ -132,27 +135,36 @@ class QuantLinear(nn.Module):
           the bf16 model's). float16 keeps 11 bits of a decoded value from 2^-14 up (bf16's
           reference 8; below, an absolute 2^-25 at most); a weight beyond float16's range
           stays unpacked.
-        Returns the copy's bytes."""
+        fp8 (block or tensor scales) and int4 keep the checkpoint's bytes for the native
+        GEMV of decode rows beside the copy (cpu_rows). Returns the copy's bytes."""
         w = self.weight_dict()
         if tk.packable_int4(self.fmt, w, self.dtype):
             self.packed = tk.Int4Packed(self.fmt, w)
-            return self.packed.nbytes
+            self.rows = self.cpu_rows()
+            return self.packed.nbytes + (self.rows.nbytes - self.rows.q.numel() if self.rows else 0)
         if (dense := self.cpu_dense()) is None:
             return 0
-        self.packed = tk.cpu_linear(dense, self.bias, dtype=self.dtype, fp8=self.cpu_fp8())
+        self.packed = tk.cpu_linear(dense, self.bias, dtype=self.dtype, quant=self.cpu_rows())
         return 0 if self.packed is None else self.packed.nbytes
 
-    def cpu_fp8(self) -> tk.Fp8Rows | None:
-        """The checkpoint's fp8 bytes as the native GEMV reads them (decode rows: 1 byte a
-        weight instead of the copy's 2), where it can: fp8 with block scales (per-tensor: one
-        block) in a 16-bit model, with the native kernels built."""
-        if (tk.native_kernels() is None or self.dtype == torch.float32
-                or self.fmt.kind not in ("fp8_block", "fp8_tensor")):
+    def cpu_rows(self) -> tk.QuantRows | None:
+        """The checkpoint's bytes as the native GEMV reads them (decode rows: 1 byte a weight
+        for fp8, half for int4, instead of a copy's 2), where it can: in a 16-bit model,
+        with the native kernels built, fp8 with block scales (per-tensor: one block) and
+        int4 in groups of a power of two from 32 (its scales as float32 (scale,
+        -zero * scale) pairs, cpu_native.int4_group_pairs)."""
+        if tk.native_kernels() is None or self.dtype == torch.float32:
             return None
-        q, s = self.q, self.s.float()
+        q, g = self.q.detach(), self.fmt.group
         if self.fmt.kind == "fp8_tensor":
-            return tk.Fp8Rows(q, s.reshape(1, 1).contiguous(), tuple(q.shape))
-        return tk.Fp8Rows(q, s.contiguous(), self.fmt.block)
+            return tk.QuantRows(q, self.s.float().reshape(1, 1).contiguous(), tuple(q.shape))
+        if self.fmt.kind == "fp8_block":
+            return tk.QuantRows(q, self.s.float().contiguous(), self.fmt.block)
+        if (self.fmt.kind == "int4" and g >= 32 and g & (g - 1) == 0
+                and self.in_features % g == 0):
+            z = getattr(self, "z", None)
+            return tk.QuantRows(q, tk.int4_group_pairs(self.s, z), (1, g))
+        return None
 
     def cpu_dense(self) -> torch.Tensor | None:
         """The decoded weight in float32 a CPU engine's product takes (cpu_linear decides its
@@ -175,8 +187,13 @@ class QuantLinear(nn.Module):
         shape = x.shape
         if isinstance(self.packed, tk.CpuLinear):            # the bias inside
             return self.packed(x)
+        rows = x.reshape(-1, shape[-1])
+        if self.rows is not None and rows.shape[0] < tk.NATIVE_ROWS:    # decode rows
+            y = self.rows.linear(tk.native_kernels(), rows,
+                                 None if self.bias is None else self.bias.float())
+            return y.reshape(*shape[:-1], self.out_features)
         if self.packed is not None:
-            y = self.packed.linear(x.reshape(-1, shape[-1]))
+            y = self.packed.linear(rows)
             y = y if self.bias is None else y + self.bias
             return y.reshape(*shape[:-1], self.out_features)
         y = tk.quant_linear(x.reshape(-1, shape[-1]), self.fmt, self.weight_dict(), self.bias)
