@@ -14,6 +14,7 @@ import torch
 import triton_kernels as tk
 from freetoken import LLM, SamplingParams
 from freetoken.demo.tiny_model import make_tiny_model
+from freetoken.models.layers.attention import Attention
 from freetoken.models.layers.linear import QuantLinear
 from freetoken.models.quant.encode import quantize_checkpoint
 from test_dequant_cpu import routed_batch
@@ -139,17 +140,14 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model):
         llm = LLM(int4_model, skip_tokenizer_init=True, dtype="bfloat16", **kw)
         model = llm.runner.model
         qlin = [m for m in model.modules() if isinstance(m, QuantLinear)]
-        assert qlin and all(isinstance(m.packed, tk.Int4Packed) for m in qlin), name
-        # decode rows: the native GEMV on the checkpoint's nibbles where it is built, the
-        # same weight as the int4 GEMM's 8 rows to its bf16 (scale, zero) rounding
-        native = tk.native_kernels() is not None
-        assert all((m.rows is not None) == native for m in qlin), name
-        g = torch.Generator().manual_seed(0)
-        for m in qlin:
-            x = torch.randn(8, m.in_features, generator=g).bfloat16()
-            one = torch.cat([m(x[i:i + 1]) for i in range(8)]).float()
-            many = m(x).float()
-            assert ((one - many).norm() / many.norm()).item() < 2e-2, name
+        # every projection through the int4 GEMM; an attention layer's q, k and v as one
+        # (so its decode step runs natively after it)
+        attns = [m for m in model.modules() if isinstance(m, Attention)]
+        fused = {id(getattr(a, n)) for a in attns for n in a.cpu_fused}
+        alone = [m for m in qlin if id(m) not in fused]
+        assert alone and all(isinstance(m.packed, tk.Int4Linear) for m in alone), name
+        assert attns and all(isinstance(a.qkv_packed, tk.Int4Linear) for a in attns), name
+        assert all(a.cpu_decode is not None for a in attns) == (tk.native_kernels() is not None)
         blocks = model.moe_blocks()
         # the experts: the native kernel on the checkpoint's nibbles where it is built
         store = llm.runner.expert_store

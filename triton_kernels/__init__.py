@@ -37,7 +37,7 @@ from triton_kernels.cpu_native import (NativeBank, NativeFp8Bank, NativeInt4Bank
                                        has_amx_bf16, int4_group_pairs, native_kernels)
 from triton_kernels.cpu_linear import NATIVE_ROWS, CpuLinear, QuantRows, cpu_linear
 from triton_kernels.cpu_attention import CpuDecodeAttention
-from triton_kernels.int4_cpu import Int4Packed, fused_moe_int4_cpu, packable_int4
+from triton_kernels.int4_cpu import Int4Linear, Int4Packed, fused_moe_int4_cpu, packable_int4
 
 __all__ = [
     "linear", "Fp16Weight", "Fp16Bank", "packable", "packs_fp16", "CpuSplit",
@@ -59,5 +59,5 @@ __all__ = [
     "mla_attention", "mla_attention_reference", "write_latent", "write_latent_reference",
     "QuantFormat", "dequantize_reference", "quant_linear", "quant_linear_reference",
     "fused_moe_quant", "fused_moe_quant_reference", "fused_moe_quant_cpu", "quant_linear_cpu",
-    "Int4Packed", "fused_moe_int4_cpu", "packable_int4",
+    "Int4Linear", "Int4Packed", "fused_moe_int4_cpu", "packable_int4",
 ]

@@ -70,7 +70,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.num_heads * hd, cfg.rms_norm_eps, off)
             self.k_norm = RMSNorm(self.num_kv_heads * hd, cfg.rms_norm_eps, off)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.sinks else None
-        self.qkv_packed: tk.CpuLinear | None = None
+        self.qkv_packed: tk.CpuLinear | tk.Int4Linear | None = None
         self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
         self.cpu_decode: tk.CpuDecodeAttention | None = None
 

@@ -74,16 +74,26 @@ def pack_for_cpu(model: nn.Module) -> int:
                        and id(m) not in skip)
 
 
-def pack_fused(projs) -> tk.CpuLinear | None:
+def pack_fused(projs) -> tk.CpuLinear | tk.Int4Linear | None:
     """Projections of one input ([N_i, K] each) as one product [sum N_i, K] (one GEMV and one
     call instead of one each; the outputs are its column slices), or None where one of them
     has no 16-bit form or the biases differ in kind. The weights are concatenated in their
-    dtype where they share one (2 bytes a weight more), else in float32 for a float16 copy."""
-    dense = [p.cpu_dense() for p in projs]
+    dtype where they share one (2 bytes a weight more), else in float32 for a float16 copy;
+    INT4 ones the int4 GEMM takes, as one int4 GEMM (their nibbles concatenated, as many
+    bytes again)."""
     biases = [p.bias for p in projs]
-    if any(d is None for d in dense) or len({b is None for b in biases}) != 1:
+    if len({b is None for b in biases}) != 1:
         return None
     bias = None if biases[0] is None else torch.cat([b.float() for b in biases])
+    if all(isinstance(p, QuantLinear) and p.int4_gemm() for p in projs):
+        # INT4 in one format: one int4 GEMM on the concatenated weights
+        if len({p.fmt for p in projs}) != 1:
+            return None
+        w = {name: torch.cat([p.weight_dict()[name] for p in projs]) for name in projs[0].names}
+        return tk.Int4Linear(projs[0].fmt, w, None if bias is None else bias.to(projs[0].dtype))
+    dense = [p.cpu_dense() for p in projs]
+    if any(d is None for d in dense):
+        return None
     dtypes = {d.dtype for d in dense}
     fused = torch.cat([d if len(dtypes) == 1 else d.float() for d in dense])
     first = projs[0]                            # the model's compute dtype
@@ -118,15 +128,13 @@ class QuantLinear(nn.Module):
                                                          requires_grad=False))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-        self.packed: tk.Int4Packed | tk.CpuLinear | None = None
-        self.rows: tk.QuantRows | None = None     # beside an Int4Packed: decode rows' GEMV
+        self.packed: tk.Int4Linear | tk.CpuLinear | None = None
 
     def pack_cpu(self) -> int:
         """A quantized weight on the CPU, in 16 bits: keep a copy the CPU multiplies fast (the
         checkpoint's tensors stay for dequantized()).
-        - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py), as many
-          bytes, for 8 rows and more; fewer (decode) run the native GEMV on the checkpoint's
-          nibbles (cpu_rows).
+        - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py,
+          Int4Linear), as many bytes.
         - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
           GEMM for: decoded once into a 2-byte copy for the CPU's products (cpu_linear: bf16
           for the native GEMV and AMX's GEMM in a bf16 model on an AMX CPU, else fp16 for the
@@ -135,17 +143,21 @@ class QuantLinear(nn.Module):
           the bf16 model's). float16 keeps 11 bits of a decoded value from 2^-14 up (bf16's
           reference 8; below, an absolute 2^-25 at most); a weight beyond float16's range
           stays unpacked.
-        fp8 (block or tensor scales) and int4 keep the checkpoint's bytes for the native
-        GEMV of decode rows beside the copy (cpu_rows). Returns the copy's bytes."""
+        fp8 (block or tensor scales) and the int4 the GEMM cannot take keep the checkpoint's
+        bytes for the native GEMV of decode rows beside the copy (cpu_rows). Returns the
+        copy's bytes."""
         w = self.weight_dict()
-        if tk.packable_int4(self.fmt, w, self.dtype):
-            self.packed = tk.Int4Packed(self.fmt, w)
-            self.rows = self.cpu_rows()
-            return self.packed.nbytes + (self.rows.nbytes - self.rows.q.numel() if self.rows else 0)
+        if self.int4_gemm():
+            self.packed = tk.Int4Linear(self.fmt, w, self.bias)
+            return self.packed.nbytes
         if (dense := self.cpu_dense()) is None:
             return 0
         self.packed = tk.cpu_linear(dense, self.bias, dtype=self.dtype, quant=self.cpu_rows())
         return 0 if self.packed is None else self.packed.nbytes
+
+    def int4_gemm(self) -> bool:
+        """Whether the CPU multiplies this weight through torch's int4 GEMM (Int4Linear)."""
+        return tk.packable_int4(self.fmt, self.weight_dict(), self.dtype)
 
     def cpu_rows(self) -> tk.QuantRows | None:
         """The checkpoint's bytes as the native GEMV reads them (decode rows: 1 byte a weight
@@ -184,18 +196,9 @@ class QuantLinear(nn.Module):
         return tk.dequantize_reference(self.fmt, self.weight_dict(), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        if isinstance(self.packed, tk.CpuLinear):            # the bias inside
+        if self.packed is not None:                     # CpuLinear or Int4Linear: bias inside
             return self.packed(x)
-        rows = x.reshape(-1, shape[-1])
-        if self.rows is not None and rows.shape[0] < tk.NATIVE_ROWS:    # decode rows
-            y = self.rows.linear(tk.native_kernels(), rows,
-                                 None if self.bias is None else self.bias.float())
-            return y.reshape(*shape[:-1], self.out_features)
-        if self.packed is not None:
-            y = self.packed.linear(rows)
-            y = y if self.bias is None else y + self.bias
-            return y.reshape(*shape[:-1], self.out_features)
+        shape = x.shape
         y = tk.quant_linear(x.reshape(-1, shape[-1]), self.fmt, self.weight_dict(), self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
