@@ -240,3 +240,33 @@ def test_native_int4_bank_refuses_bad_groups_and_mixed_banks():
     with pytest.raises(ValueError, match="native banks"):
         tk.fused_moe(c["x"], bank, tk.NativeBank(c["w2"], kernel), c["weights"], c["ids"],
                      c["slot_map"])
+
+
+def test_int4_bank_decodes_prefill_chunks_for_amx(threads):
+    # An int4 bank on an AMX CPU: a chunk of GEMM_ROWS pairs an expert and more runs AMX's
+    # products on its used experts decoded to bf16, the reference's weights: the bits of the
+    # bf16 loop on the reference's decode; fewer rows, the native kernel (the gemm=False
+    # bank's bits). int4_decode is the reference's decode, bit for bit.
+    from triton_kernels.fused_moe import _moe_loop_torch
+    kernel = tk.native_kernels()
+    c = biased_experts(seed=3, t=40, d=128, i=64, e=3, k=2, pool=5)   # ~27 pairs an expert
+    q13, deq13 = int4_bank(c["w13"], 32, False, torch.bfloat16)
+    q2, deq2 = int4_bank(c["w2"], 32, False, torch.bfloat16)
+    banks = {amx: (tk.NativeInt4Bank(q13["q"], q13["s"], q13["z"], 32, kernel, amx=amx),
+                   tk.NativeInt4Bank(q2["q"], q2["s"], q2["z"], 32, kernel, amx=amx))
+             for amx in (True, False)}
+    b13, b2 = c["b13"].float(), c["b2"].float()
+    args = (c["weights"], c["ids"], c["slot_map"])
+    decoded = kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([4, 0]))
+    assert torch.equal(decoded, deq13[[4, 0]].bfloat16())
+    got = tk.fused_moe(c["x"], *banks[True], *args, b13=b13, b2=b2)
+    want = _moe_loop_torch(c["x"], deq13.bfloat16(), deq2.bfloat16(), *args, c["b13"],
+                           c["b2"], SILU)
+    assert torch.equal(got, want)
+    native = tk.fused_moe(c["x"], *banks[False], *args, b13=b13, b2=b2)
+    assert not torch.equal(native, got) and rel(native, want.float()) < 1e-2
+    one = [t[:1] for t in args[:2]] + [args[2]]
+    assert torch.equal(tk.fused_moe(c["x"][:1], *banks[True], *one, b13=b13, b2=b2),
+                       tk.fused_moe(c["x"][:1], *banks[False], *one, b13=b13, b2=b2))
+    with pytest.raises(ValueError, match="int4 decode"):
+        kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([9]))

@@ -236,3 +236,40 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     free(start), free(order), free(used);
     return failed && failed == team ? -1 : 0;
 }
+
+/* Experts of an int4 bank decoded to bf16, for a prefill chunk's AMX products: out[i] =
+ * expert idx[i] of q [E, N, K/2] with its group pairs gs [E, N, K/G, 2] (W = q s + m, the
+ * reference's float32 value), rounded to bf16 (nearest even) in element order. G a power of
+ * two from 2 * VW. Rows shared among the threads. */
+void ft_int4_decode(const uint8_t *q, const float *gs, const int64_t *idx, int64_t n_idx,
+                    int64_t n, int64_t k, int64_t g, uint16_t *out, int threads) {
+    const int gshift = __builtin_ctzll((unsigned long long)g);
+    const int64_t rows = n_idx * n;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t e = idx[r / n], row = e * n + r % n;
+        const uint8_t *src = q + row * (k / 2);
+        const float *pairs = gs + row * (k >> gshift) * 2;
+        uint16_t *dst = out + r * k;
+        int64_t j = 0;
+        for (; j + 2 * VW <= k; j += 2 * VW) {
+            vf lo, hi;                              /* elements j + 2i and j + 2i + 1 */
+            const float *p = pairs + 2 * (j >> gshift);
+            load_int4(src + j / 2, p[0], p[1], &lo, &hi);
+            vu32 a, b;
+            memcpy(&a, &lo, sizeof a);
+            memcpy(&b, &hi, sizeof b);
+            a += 0x7fffu + ((a >> 16) & 1u);        /* nearest even; the values are finite */
+            b += 0x7fffu + ((b >> 16) & 1u);
+            vu32 both = (a >> 16) | (b & 0xffff0000u);     /* one lane: elements 2i, 2i + 1 */
+            memcpy(dst + j, &both, sizeof both);
+        }
+        for (; j < k; j++) {
+            float f = scalar_int4(src, j, pairs, gshift);
+            uint32_t u;
+            memcpy(&u, &f, sizeof u);
+            u += 0x7fffu + ((u >> 16) & 1u);
+            dst[j] = (uint16_t)(u >> 16);
+        }
+    }
+}

@@ -60,6 +60,10 @@ class NativeKernels:
                        i64, c_int, c_int, c_float, c_float, c_int, p, p, p, c_int]
         fn.restype = c_int
         self._moe = fn
+        fn = lib.ft_int4_decode
+        fn.argtypes = [p, p, p, i64, i64, i64, i64, p, c_int]
+        fn.restype = None
+        self._int4_decode = fn
         fn = lib.ft_linear
         fn.argtypes = [p, c_int, i64, p, c_int, p, i64, i64, p, i64, i64, p, c_int, c_int]
         fn.restype = c_int
@@ -159,6 +163,27 @@ class NativeKernels:
                              f"the bank's {slots} slots")
         if rc != 0:
             raise MemoryError("native MoE: out of host memory for its routing tables or scratch")
+        return out
+
+    def int4_decode(self, q: torch.Tensor, gs: torch.Tensor, group: int,
+                    experts: torch.Tensor) -> torch.Tensor:
+        """Experts `experts` (int64 [n]) of an int4 bank (q [E, N, K/2] uint8, gs [E, N, K/G, 2]
+        float32 (scale, -zero * scale) pairs) decoded -> [n, N, K] bf16, the reference's
+        values rounded once (nearest even), on torch's thread count."""
+        e, n, half = q.shape
+        k = 2 * half
+        idx = experts.contiguous().long()
+        if not (q.dtype == torch.uint8 and q.is_contiguous() and gs.dtype == torch.float32
+                and gs.is_contiguous() and group >= 32 and group & (group - 1) == 0
+                and k % group == 0 and tuple(gs.shape) == (e, n, k // group, 2)
+                and idx.dim() == 1 and (not idx.numel() or (0 <= int(idx.min())
+                                                          and int(idx.max()) < e))):
+            raise ValueError(f"native int4 decode: q [E, N, K/2] uint8, pairs [E, N, K/G, 2] "
+                             f"float32 and expert ids in range expected, got q "
+                             f"{tuple(q.shape)} {q.dtype}, pairs {tuple(gs.shape)}, group {group}")
+        out = torch.empty(idx.numel(), n, k, dtype=torch.bfloat16)
+        self._int4_decode(q.data_ptr(), gs.data_ptr(), idx.data_ptr(), idx.numel(), n, k, group,
+                          out.data_ptr(), torch.get_num_threads())
         return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
@@ -395,13 +420,15 @@ class NativeInt4Bank:
     that the native kernel computes: each group of G weights decoded in registers as
     q * s + m (m = -z * s: W = (q - z) * s, the reference's values; exactly, for 16-bit
     scales), half a byte a weight read. gs [E, N, K/G, 2] float32 holds each group's (s, m):
-    8 bytes a group (G 128: 1/16 of the nibbles' bytes), the only bytes it adds."""
+    8 bytes a group (G 128: 1/16 of the nibbles' bytes), the only bytes it adds. gemm: on a
+    CPU with AMX-BF16 (amx; default: this one's), fused_moe decodes a prefill chunk's used
+    experts to bf16 (int4_decode: the reference's values) for AMX's products."""
 
     float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
     dtype = torch.uint8
 
     def __init__(self, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, group: int,
-                 kernel: NativeKernels):
+                 kernel: NativeKernels, amx: bool | None = None):
         experts, n, half = q.shape
         k = 2 * half
         if not (q.dtype == torch.uint8 and q.device.type == "cpu" and group >= 32
@@ -415,6 +442,7 @@ class NativeInt4Bank:
         self.q = q.detach().contiguous()
         self.gs = int4_group_pairs(s, z)
         self.group, self.kernel = group, kernel
+        self.gemm = has_amx_bf16() if amx is None else amx
         self.experts, self.n, self.k = experts, n, k
         self.checkpoint_bytes = self.q.numel()
         self.nbytes = self.q.numel() + self.gs.numel() * 4
