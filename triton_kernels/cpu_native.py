@@ -40,6 +40,7 @@ _HERE = Path(__file__).parent
 # compiled together into one library
 _SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c")
 _HEADERS = ("cpu_dot.h",)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 _WEIGHT_FORMATS = {**_FORMATS, E4M3: 3, torch.uint8: 4}   # cpu_dot.h's FT_E4M3, FT_INT4
@@ -512,7 +513,8 @@ def _build() -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     sources = b"".join((_HERE / name).read_bytes() for name in _SOURCES + _HEADERS)
-    key = hashlib.sha256(sources + version.encode() + cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(sources + version.encode() + cpu_flags().encode()
+                         + " ".join(_FLAGS).encode()).hexdigest()[:16]
     root = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
     target = root / "native" / f"cpu_native-{key}.so"
     if target.exists():
@@ -522,8 +524,7 @@ def _build() -> Path:
     # half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-               "-o", str(built), *(str(_HERE / name) for name in _SOURCES), "-lm"]
+        cmd = [cc, *_FLAGS, "-o", str(built), *(str(_HERE / name) for name in _SOURCES), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
