@@ -29,21 +29,29 @@ class CpuDecodeAttention:
                                     for w in (q_norm, k_norm))
         self.sinks = None if sinks is None else sinks.detach().float().contiguous()
         self.window, self.interleaved = window, interleaved
+        # the kernel call with these constants, checked once (cpu_native.AttnCall)
+        self.call = kernel.bind_attn(heads, self.q_norm, self.k_norm, eps, interleaved, window,
+                                     self.sinks, scale)
+        self.taken: tuple | None = None          # the last caches `takes` accepted
 
     def takes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether the call reads and writes these caches: [NB, BS, Hk, Dh] each, one dtype,
-        16-bit or float32, on the CPU (an fp8 cache keeps the torch path)."""
+        16-bit or float32, on the CPU (an fp8 cache keeps the torch path). (The engine's are
+        the same tensors every step: checked once.)"""
+        if self.taken is not None and self.taken[0] is k_cache and self.taken[1] is v_cache:
+            return True
         _, hk, dh = self.heads
-        return (k_cache.dtype in _IO_FORMATS and v_cache.dtype == k_cache.dtype
-                and k_cache.device.type == "cpu" and k_cache.dim() == 4
-                and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (hk, dh)
-                and k_cache.is_contiguous() and v_cache.is_contiguous())
+        ok = (k_cache.dtype in _IO_FORMATS and v_cache.dtype == k_cache.dtype
+              and k_cache.device.type == "cpu" and k_cache.dim() == 4
+              and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (hk, dh)
+              and k_cache.is_contiguous() and v_cache.is_contiguous())
+        if ok:
+            self.taken = (k_cache, v_cache)
+        return ok
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """qkv [B, (Hq + 2Hk) Dh] -> attention output [B, Hq Dh] in qkv's dtype."""
-        return self.kernel.attn_decode(
-            qkv.contiguous(), self.heads, self.q_norm, self.k_norm, self.eps, cos_sin,
-            self.interleaved, positions, k_cache, v_cache, slot_mapping, block_tables,
-            seq_lens, self.window, self.sinks, self.scale)
+        return self.call(qkv.contiguous(), cos_sin, positions, k_cache, v_cache, slot_mapping,
+                         block_tables, seq_lens)

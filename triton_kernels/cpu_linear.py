@@ -50,9 +50,6 @@ class QuantRows:
     def nbytes(self) -> int:
         return self.q.numel() + self.s.numel() * 4
 
-    def linear(self, kernel: NativeKernels, rows: torch.Tensor,
-               bias32: torch.Tensor | None) -> torch.Tensor:
-        return kernel.linear(rows, self.q, bias32, scales=self.s, block=self.block)
 
 
 class CpuLinear:
@@ -82,6 +79,11 @@ class CpuLinear:
         # only where a product reads it.
         self.fbgemm = None if (self.gemm and kernel is not None) else Fp16Weight(weight, bias)
         self.weight = weight if ((kernel is not None and self.quant is None) or self.gemm) else None
+        # the native GEMV's calls, their weight checked once (cpu_native.LinearCall)
+        self.gemv = (None if kernel is None
+                     else kernel.bind_linear(self.quant.q, self.bias32, self.quant.s,
+                                             self.quant.block) if self.quant is not None
+                     else kernel.bind_linear(weight, self.bias32))
         self.nbytes = ((self.fbgemm.nbytes if self.fbgemm is not None else 0)
                        + (weight.numel() * 2 if own_weight and self.weight is not None else 0)
                        + (self.quant.nbytes if self.quant is not None and self.quant.own else 0))
@@ -89,10 +91,8 @@ class CpuLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         n = rows.shape[0]
-        if self.quant is not None and n < NATIVE_ROWS:
-            y = self.quant.linear(self.kernel, rows, self.bias32)
-        elif self.kernel is not None and n < NATIVE_ROWS:
-            y = self.kernel.linear(rows, self.weight, self.bias32)
+        if self.gemv is not None and n < NATIVE_ROWS:
+            y = self.gemv(rows)
         elif self.gemm and (self.fbgemm is None or n >= GEMM_ROWS):
             y = F.linear(rows.to(self.weight.dtype), self.weight, self.bias16).to(x.dtype)
         else:

@@ -103,11 +103,21 @@ class NativeKernels:
         ceil(D/bn), ceil(I/bk)]) float32, block (bn, bk). int4: scales (s13 [S, 2I, D/G, 2],
         s2 [S, D, I/G, 2]) float32, each group's (scale, -zero * scale) (NativeInt4Bank),
         block (1, G), G a power of two from 32 dividing D and I."""
-        t, d = x.shape
+        return self.bind_moe(w13, w2, scales, block, b13, b2)(
+            x, topk_weights, topk_ids, slot_map, activation, alpha, limit, out_dtype)
+
+    def bind_moe(self, w13: torch.Tensor, w2: torch.Tensor,
+                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 block: tuple[int, int] = (128, 128), b13: torch.Tensor | None = None,
+                 b2: torch.Tensor | None = None) -> MoeCall:
+        """moe's weights checked and held once (a layer's banks are the same every step):
+        the returned call takes moe's per-call arguments."""
+        d = w2.shape[1]
         fp8, int4 = w13.dtype == E4M3, w13.dtype == torch.uint8
         slots, width = w2.shape[0], w2.shape[2] * (2 if int4 else 1)
         cols = 2 if int4 else 1                 # weights a stored element holds
         bn, bk = block
+        s13 = s2 = None
         if fp8 or int4:
             s13, s2 = scales if scales is not None else (None, None)
             if fp8:
@@ -128,43 +138,15 @@ class NativeKernels:
                                  f"{None if s13 is None else tuple(s13.shape)} and "
                                  f"{None if s2 is None else tuple(s2.shape)}")
         if not (w13.dtype == w2.dtype and (self.handles(w13.dtype) or fp8 or int4)
-                and w13.is_contiguous()
+                and w13.dim() == w2.dim() == 3 and w13.is_contiguous()
                 and w2.is_contiguous() and w13.device.type == w2.device.type == "cpu"
-                and d % cols == 0
-                and tuple(w13.shape) == (slots, 2 * width, d // cols)
-                and tuple(w2.shape) == (slots, d, width // cols)
-                and tuple(topk_ids.shape) == tuple(topk_weights.shape)
-                and topk_ids.shape[0] == t and out_dtype in _IO_FORMATS):
+                and tuple(w13.shape) == (slots, 2 * width, d // cols)):
             raise ValueError(f"native MoE: w13 [S, 2I, D] and w2 [S, D, I] in one 16-bit dtype "
-                             f"(or fp8, or int4 pairs) on the CPU and ids/weights [T, k] "
-                             f"expected, got w13 "
-                             f"{tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}, "
-                             f"x {tuple(x.shape)}, ids {tuple(topk_ids.shape)}")
-        out = torch.empty(t, d, dtype=out_dtype)
-        if not topk_ids.numel():
-            return out.zero_()
-        xf = (x if x.dtype in _IO_FORMATS else x.float()).contiguous()
-        ids = topk_ids.contiguous().long()
-        weights = topk_weights.float().contiguous()
-        smap = None if slot_map is None else slot_map.contiguous().long()
-        biases = [None if b is None else b.float().contiguous() for b in (b13, b2)]
-        scratch = torch.empty(ids.numel() * width + t * d)     # act [P, I], then acc [T, D]
-        rc = self._moe(xf.data_ptr(), _IO_FORMATS[xf.dtype], ids.data_ptr(),
-                       0 if smap is None else smap.data_ptr(),
-                       0 if smap is None else smap.numel(), weights.data_ptr(), t,
-                       ids.shape[1], w13.data_ptr(), w2.data_ptr(),
-                       *((s13.data_ptr(), s2.data_ptr(), bn, bk) if fp8 or int4 else (0, 0, 1, 1)),
-                       *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
-                       _WEIGHT_FORMATS[w13.dtype], ACTIVATIONS[activation], alpha, limit,
-                       torch.get_num_threads(), scratch.data_ptr(),
-                       scratch.data_ptr() + ids.numel() * width * 4, out.data_ptr(),
-                       _IO_FORMATS[out_dtype])
-        if rc == -2:
-            raise ValueError(f"native MoE: an expert id is outside the slot map or maps outside "
-                             f"the bank's {slots} slots")
-        if rc != 0:
-            raise MemoryError("native MoE: out of host memory for its routing tables or scratch")
-        return out
+                             f"(or fp8, or int4 pairs) on the CPU expected, got w13 "
+                             f"{tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}")
+        return MoeCall(self._moe, w13, w2, s13, s2, (bn, bk) if fp8 or int4 else (1, 1),
+                       [None if b is None else b.float().contiguous() for b in (b13, b2)],
+                       slots, d, width)
 
     def int4_decode(self, q: torch.Tensor, gs: torch.Tensor, group: int,
                     experts: torch.Tensor) -> torch.Tensor:
@@ -196,17 +178,21 @@ class NativeKernels:
         [ceil(N/bn), ceil(K/bk)] for block (bn, bk); or int4 nibbles [N, K/2] uint8 (element
         2j low) with scales [N, K/G, 2] float32, each group's (scale, -zero * scale), block
         (1, G), G a power of two from 32 dividing K."""
+        return self.bind_linear(weight, bias, scales, block)(x)
+
+    def bind_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    scales: torch.Tensor | None = None,
+                    block: tuple[int, int] = (128, 128)) -> LinearCall:
+        """linear's weight checked and held once: the returned call takes x."""
         fp8, int4 = weight.dtype == E4M3, weight.dtype == torch.uint8
-        n, k = weight.shape[0], weight.shape[1] * (2 if int4 else 1)
+        n, k = weight.shape[0], weight.shape[-1] * (2 if int4 else 1)
         bn, bk = block
         if fp8:
             want = (-(-n // bn), -(-k // bk))
         elif int4:
             want = (n, k // max(bk, 1), 2)
         if not ((self.handles(weight.dtype) or fp8 or int4) and weight.is_contiguous()
-                and weight.dim() == 2 and x.dim() == 2
-                and x.shape[1] == k and x.dtype in _IO_FORMATS
-                and x.device.type == weight.device.type == "cpu"
+                and weight.dim() == 2 and weight.device.type == "cpu"
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
                                       and bias.is_contiguous()))
                 and (not (fp8 or int4) or (isinstance(scales, torch.Tensor)
@@ -214,24 +200,14 @@ class NativeKernels:
                                            and scales.is_contiguous()
                                            and tuple(scales.shape) == want))
                 and (not int4 or (bn == 1 and bk >= 32 and bk & (bk - 1) == 0 and k % bk == 0))):
-            raise ValueError(f"native linear: x [T, {k}] and a contiguous 16-bit weight "
-                             f"[N, K] (or fp8 with float32 block scales [ceil(N/bn), "
-                             f"ceil(K/bk)], or int4 with group scales [N, K/G, 2]) on the CPU "
-                             f"(bias [N] float32) expected, got x "
-                             f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                             f"{weight.dtype}, scales "
+            raise ValueError(f"native linear: a contiguous 16-bit weight [N, K] (or fp8 with "
+                             f"float32 block scales [ceil(N/bn), ceil(K/bk)], or int4 with group "
+                             f"scales [N, K/G, 2]) on the CPU (bias [N] float32) expected, got "
+                             f"weight {tuple(weight.shape)} {weight.dtype}, scales "
                              f"{None if scales is None else tuple(scales.shape)}, block {block}")
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
         quant = fp8 or int4
-        rc = self._linear(x.data_ptr(), _IO_FORMATS[x.dtype], x.shape[0], weight.data_ptr(),
-                          _WEIGHT_FORMATS[weight.dtype], scales.data_ptr() if quant else 0,
-                          bn if quant else 1, bk if quant else 1,
-                          0 if bias is None else bias.data_ptr(), n, k,
-                          out.data_ptr(), _IO_FORMATS[x.dtype], torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("native linear: out of host memory for x's float32 copy")
-        return out
+        return LinearCall(self._linear, weight, _WEIGHT_FORMATS[weight.dtype],
+                          scales if quant else None, block if quant else (1, 1), bias, n, k)
 
     def attn_decode(self, qkv: torch.Tensor, heads: tuple[int, int, int], q_norm, k_norm,
                     eps: float, cos_sin: torch.Tensor, interleaved: bool,
@@ -241,66 +217,38 @@ class NativeKernels:
         """One decode step of an attention layer (cpu_attention.c has the shapes): qkv
         [B, (Hq + 2Hk) Dh] -> [B, Hq Dh] in qkv's dtype; the new keys and values written into
         the caches. heads: (Hq, Hk, Dh); norms [Dh] / sinks [Hq] float32 or None."""
+        return self.bind_attn(heads, q_norm, k_norm, eps, interleaved, window, sinks, scale)(
+            qkv, cos_sin, positions, k_cache, v_cache, slots, tables, lens)
+
+    def bind_attn(self, heads: tuple[int, int, int], q_norm, k_norm, eps: float,
+                  interleaved: bool, window: int | None, sinks: torch.Tensor | None,
+                  scale: float) -> AttnCall:
+        """attn_decode's layer constants checked and held once: the returned call takes the
+        batch's tensors and the caches."""
         hq, hk, dh = heads
-        b = qkv.shape[0]
-        nb, bs = k_cache.shape[:2]
-        i64, i32, f32 = torch.int64, torch.int32, torch.float32
-        if not (qkv.dim() == 2 and qkv.shape[1] == (hq + 2 * hk) * dh and qkv.is_contiguous()
-                and qkv.dtype in _IO_FORMATS and k_cache.dtype in _IO_FORMATS
-                and k_cache.shape == v_cache.shape == (nb, bs, hk, dh) and k_cache.is_contiguous()
-                and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype
-                and hq % hk == 0 and cos_sin.dtype == f32 and cos_sin.is_contiguous()
-                and cos_sin.shape[1] <= dh and cos_sin.shape[1] % 2 == 0
-                and positions.shape == slots.shape == lens.shape == (b,)
-                and positions.dtype == slots.dtype == i64 and lens.dtype == tables.dtype == i32
-                and tables.dim() == 2 and tables.shape[0] == b and tables.is_contiguous()
-                and all(t is None or (t.dtype == f32 and t.is_contiguous() and t.shape == (n,))
-                        for t, n in ((q_norm, dh), (k_norm, dh), (sinks, hq)))
-                and all(t.device.type == "cpu" for t in (qkv, k_cache, positions, slots, lens,
-                                                         tables, cos_sin))):
-            raise ValueError(f"native decode attention: qkv [B, (Hq + 2Hk) Dh] and caches "
-                             f"[NB, BS, Hk, Dh] expected for heads {heads}, got qkv "
-                             f"{tuple(qkv.shape)} {qkv.dtype}, caches {tuple(k_cache.shape)} "
-                             f"{k_cache.dtype}")
-        out = torch.empty(b, hq * dh, dtype=qkv.dtype)
-        scratch = torch.empty(b * hq * dh)
-        ptr = [0 if t is None else t.data_ptr() for t in (q_norm, k_norm, sinks)]
-        positions, slots, lens = positions.contiguous(), slots.contiguous(), lens.contiguous()
-        rc = self._attn_decode(
-            qkv.data_ptr(), _IO_FORMATS[qkv.dtype], b, hq, hk, dh, ptr[0], ptr[1], eps,
-            cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], int(interleaved),
-            positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            _IO_FORMATS[k_cache.dtype], nb, bs, slots.data_ptr(), tables.data_ptr(),
-            tables.shape[1], lens.data_ptr(), window or 0, ptr[2], scale,
-            torch.get_num_threads(), scratch.data_ptr(), out.data_ptr())
-        if rc == -2:
-            raise ValueError("native decode attention: a block id, slot, position or length "
-                             "is outside the cache, its table or the rope table")
-        if rc != 0:
-            raise MemoryError("native decode attention: out of host memory for its scratch")
-        return out
+        f32 = torch.float32
+        if not (hk > 0 and hq % hk == 0 and all(
+                t is None or (t.dtype == f32 and t.is_contiguous() and t.shape == (n,)
+                              and t.device.type == "cpu")
+                for t, n in ((q_norm, dh), (k_norm, dh), (sinks, hq)))):
+            raise ValueError(f"native decode attention: heads (Hq, Hk, Dh) with Hk dividing Hq "
+                             f"and float32 norms [Dh] / sinks [Hq] expected, got {heads}")
+        return AttnCall(self._attn_decode, heads, q_norm, k_norm, eps, interleaved,
+                        window or 0, sinks, scale)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
         """rms_norm_reference's arithmetic for 16-bit rows x [T, D] (weight [D] and residual
         in x's dtype): weight * norm(x (+ residual)), and (with residual) the sum, the next
         residual."""
-        t, d = x.shape
-        if not (x.dtype in _FORMATS and weight.dtype == x.dtype and weight.shape == (d,)
-                and x.device.type == weight.device.type == "cpu"
-                and (residual is None or (residual.shape == x.shape
-                                          and residual.dtype == x.dtype))):
-            raise ValueError(f"native rms_norm: 16-bit x [T, D] with weight [D] (and residual) "
-                             f"in its dtype expected, got x {tuple(x.shape)} {x.dtype}, "
-                             f"weight {tuple(weight.shape)} {weight.dtype}")
-        x, weight = x.contiguous(), weight.contiguous()
-        out = torch.empty_like(x)
-        res_out = None if residual is None else torch.empty_like(x)
-        residual = None if residual is None else residual.contiguous()
-        self._rms_norm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                       weight.data_ptr(), eps, t, d, _FORMATS[x.dtype], out.data_ptr(),
-                       0 if res_out is None else res_out.data_ptr(), torch.get_num_threads())
-        return out if residual is None else (out, res_out)
+        return self.bind_rms_norm(weight, eps)(x, residual)
+
+    def bind_rms_norm(self, weight: torch.Tensor, eps: float) -> RmsNormCall:
+        """rms_norm's weight checked and held once: the returned call takes x (and residual)."""
+        if not (weight.dtype in _FORMATS and weight.dim() == 1 and weight.device.type == "cpu"):
+            raise ValueError(f"native rms_norm: a 16-bit weight [D] on the CPU expected, got "
+                             f"{tuple(weight.shape)} {weight.dtype}")
+        return RmsNormCall(self._rms_norm, weight.detach().contiguous(), eps)
 
     def topk_softmax(self, logits: torch.Tensor, top_k: int,
                      renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,6 +264,161 @@ class NativeKernels:
         self._topk_softmax(logits.data_ptr(), _IO_FORMATS[logits.dtype], t, e, top_k,
                            int(renormalize), weights.data_ptr(), ids.data_ptr())
         return weights, ids
+
+
+class LinearCall:
+    """NativeKernels.bind_linear's: x [T, K] -> [T, N] in x's dtype (only x checked)."""
+
+    def __init__(self, fn, weight, wfmt, scales, block, bias, n, k):
+        self.fn, self.weight, self.scales, self.bias = fn, weight, scales, bias   # (held)
+        self.n, self.k = n, k
+        self.args = (weight.data_ptr(), wfmt, 0 if scales is None else scales.data_ptr(),
+                     *block, 0 if bias is None else bias.data_ptr(), n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not (x.dim() == 2 and x.shape[1] == self.k and x.dtype in _IO_FORMATS
+                and x.device.type == "cpu"):
+            raise ValueError(f"native linear: x [T, {self.k}] (bf16, fp16 or float32) on the "
+                             f"CPU for its 16-bit weight [{self.n}, {self.k}] expected, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        xfmt = _IO_FORMATS[x.dtype]
+        if self.fn(x.data_ptr(), xfmt, x.shape[0], *self.args, out.data_ptr(), xfmt,
+                   torch.get_num_threads()) != 0:
+            raise MemoryError("native linear: out of host memory for x's float32 copy")
+        return out
+
+
+class MoeCall:
+    """NativeKernels.bind_moe's: (x [T, D], topk_weights, topk_ids, slot_map, activation,
+    alpha, limit, out_dtype) -> [T, D] in out_dtype (only the call's own tensors checked)."""
+
+    def __init__(self, fn, w13, w2, s13, s2, block, biases, slots, d, width):
+        self.fn, self.held = fn, (w13, w2, s13, s2, *biases)
+        self.slots, self.d, self.width = slots, d, width
+        self.weights = (w13.data_ptr(), w2.data_ptr(),
+                        0 if s13 is None else s13.data_ptr(), 0 if s2 is None else s2.data_ptr(),
+                        *block, *(0 if b is None else b.data_ptr() for b in biases),
+                        slots, d, width, _WEIGHT_FORMATS[w13.dtype])
+
+    def __call__(self, x, topk_weights, topk_ids, slot_map=None, activation: str = "silu",
+                 alpha: float = 1.702, limit: float = 7.0,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t, d = x.shape
+        if not (d == self.d and topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2
+                and topk_ids.shape[0] == t and out_dtype in _IO_FORMATS):
+            raise ValueError(f"native MoE: x [T, D] for w13 [S, 2I, D] and w2 [S, D, I] with D "
+                             f"{self.d}, and ids/weights [T, k] expected, got x "
+                             f"{tuple(x.shape)}, ids {tuple(topk_ids.shape)}, weights "
+                             f"{tuple(topk_weights.shape)}")
+        out = torch.empty(t, d, dtype=out_dtype)
+        if not topk_ids.numel():
+            return out.zero_()
+        xf = (x if x.dtype in _IO_FORMATS else x.float()).contiguous()
+        ids = topk_ids.contiguous().long()
+        weights = topk_weights.float().contiguous()
+        smap = None if slot_map is None else slot_map.contiguous().long()
+        scratch = torch.empty(ids.numel() * self.width + t * d)   # act [P, I], then acc [T, D]
+        rc = self.fn(xf.data_ptr(), _IO_FORMATS[xf.dtype], ids.data_ptr(),
+                     0 if smap is None else smap.data_ptr(), 0 if smap is None else smap.numel(),
+                     weights.data_ptr(), t, ids.shape[1], *self.weights, ACTIVATIONS[activation],
+                     alpha, limit, torch.get_num_threads(), scratch.data_ptr(),
+                     scratch.data_ptr() + ids.numel() * self.width * 4, out.data_ptr(),
+                     _IO_FORMATS[out_dtype])
+        if rc == -2:
+            raise ValueError(f"native MoE: an expert id is outside the slot map or maps outside "
+                             f"the bank's {self.slots} slots")
+        if rc != 0:
+            raise MemoryError("native MoE: out of host memory for its routing tables or scratch")
+        return out
+
+
+class AttnCall:
+    """NativeKernels.bind_attn's: (qkv, cos_sin, positions, k_cache, v_cache, slots, tables,
+    lens) -> [B, Hq Dh]. The caches are checked once each pair (the engine's are the same
+    every step), the batch's tensors every call; every index is checked in C."""
+
+    def __init__(self, fn, heads, q_norm, k_norm, eps, interleaved, window, sinks, scale):
+        self.fn, self.heads, self.held = fn, heads, (q_norm, k_norm, sinks)
+        self.eps, self.interleaved, self.window, self.scale = eps, int(interleaved), window, scale
+        self.ptrs = [0 if t is None else t.data_ptr() for t in (q_norm, k_norm, sinks)]
+        self.caches = None                  # the last pair that passed its checks
+
+    def _check_caches(self, k_cache, v_cache) -> None:
+        if self.caches is not None and self.caches[0] is k_cache and self.caches[1] is v_cache:
+            return
+        _, hk, dh = self.heads
+        if not (k_cache.dtype in _IO_FORMATS and k_cache.dim() == 4
+                and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (hk, dh)
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and v_cache.dtype == k_cache.dtype
+                and k_cache.device.type == v_cache.device.type == "cpu"):
+            raise ValueError(f"native decode attention: caches [NB, BS, {hk}, {dh}] expected, "
+                             f"got {tuple(k_cache.shape)} {k_cache.dtype}")
+        self.caches = (k_cache, v_cache)
+
+    def __call__(self, qkv, cos_sin, positions, k_cache, v_cache, slots, tables,
+                 lens) -> torch.Tensor:
+        hq, hk, dh = self.heads
+        b = qkv.shape[0]
+        self._check_caches(k_cache, v_cache)
+        i64, i32 = torch.int64, torch.int32
+        if not (qkv.dim() == 2 and qkv.shape[1] == (hq + 2 * hk) * dh and qkv.is_contiguous()
+                and qkv.dtype in _IO_FORMATS and qkv.device.type == "cpu"
+                and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
+                and cos_sin.dim() == 2 and cos_sin.shape[1] <= dh and cos_sin.shape[1] % 2 == 0
+                and positions.shape == slots.shape == lens.shape == (b,)
+                and positions.dtype == slots.dtype == i64 and lens.dtype == tables.dtype == i32
+                and tables.dim() == 2 and tables.shape[0] == b and tables.is_contiguous()
+                and positions.device.type == slots.device.type == lens.device.type
+                == tables.device.type == cos_sin.device.type == "cpu"):
+            raise ValueError(f"native decode attention: qkv [B, (Hq + 2Hk) Dh] and caches "
+                             f"[NB, BS, Hk, Dh] expected for heads {self.heads}, got qkv "
+                             f"{tuple(qkv.shape)} {qkv.dtype}, caches {tuple(k_cache.shape)} "
+                             f"{k_cache.dtype}")
+        nb, bs = k_cache.shape[:2]
+        out = torch.empty(b, hq * dh, dtype=qkv.dtype)
+        scratch = torch.empty(b * hq * dh)
+        positions, slots, lens = positions.contiguous(), slots.contiguous(), lens.contiguous()
+        rc = self.fn(
+            qkv.data_ptr(), _IO_FORMATS[qkv.dtype], b, hq, hk, dh, self.ptrs[0], self.ptrs[1],
+            self.eps, cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], self.interleaved,
+            positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            _IO_FORMATS[k_cache.dtype], nb, bs, slots.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), self.window, self.ptrs[2], self.scale,
+            torch.get_num_threads(), scratch.data_ptr(), out.data_ptr())
+        if rc == -2:
+            raise ValueError("native decode attention: a block id, slot, position or length "
+                             "is outside the cache, its table or the rope table")
+        if rc != 0:
+            raise MemoryError("native decode attention: out of host memory for its scratch")
+        return out
+
+
+class RmsNormCall:
+    """NativeKernels.bind_rms_norm's: (x [T, D], residual) -> out, or (out, the sum)."""
+
+    def __init__(self, fn, weight, eps):
+        self.fn, self.weight, self.eps = fn, weight, eps
+        self.fmt, self.d = _FORMATS[weight.dtype], weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if not (x.dim() == 2 and x.shape[1] == self.d and x.dtype == self.weight.dtype
+                and x.device.type == "cpu"
+                and (residual is None or (residual.shape == x.shape
+                                          and residual.dtype == x.dtype))):
+            raise ValueError(f"native rms_norm: 16-bit x [T, D] with weight [D] (and residual) "
+                             f"in its dtype expected, got x {tuple(x.shape)} {x.dtype}, "
+                             f"weight {tuple(self.weight.shape)} {self.weight.dtype}")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        res_out = None if residual is None else torch.empty_like(x)
+        residual = None if residual is None else residual.contiguous()
+        self.fn(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                self.weight.data_ptr(), self.eps, x.shape[0], self.d, self.fmt, out.data_ptr(),
+                0 if res_out is None else res_out.data_ptr(), torch.get_num_threads())
+        return out if residual is None else (out, res_out)
 
 
 class NativeBank:
@@ -452,21 +555,25 @@ class NativeInt4Bank:
 def moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
                activation) -> torch.Tensor:
     """fused_moe for two native banks (NativeBank, NativeFp8Bank or NativeInt4Bank, of one
-    kind, kernel and dtype): [T, D] in x's dtype (summed in float32, rounded once)."""
-    if not (type(w2) is type(w13) and w2.kernel is w13.kernel and w2.dtype == w13.dtype
-            and (not isinstance(w13, NativeFp8Bank) or w13.block == w2.block)
-            and (not isinstance(w13, NativeInt4Bank) or w13.group == w2.group)):
-        raise ValueError(f"fused_moe: w13 and w2 must both be native banks of one kernel and "
-                         f"dtype, got {_describe(w13)} and {_describe(w2)}")
-    fp8, int4 = isinstance(w13, NativeFp8Bank), isinstance(w13, NativeInt4Bank)
-    extra = (dict(scales=(w13.s, w2.s), block=w13.block) if fp8
-             else dict(scales=(w13.gs, w2.gs), block=(1, w13.group)) if int4 else {})
-    return w13.kernel.moe(x, w13.q if fp8 or int4 else w13.weight,
-                          w2.q if fp8 or int4 else w2.weight,
-                          topk_weights, topk_ids, slot_map, b13, b2,
-                          activation.kind, activation.alpha, activation.limit,
-                          out_dtype=x.dtype if x.dtype in _IO_FORMATS else torch.float32,
-                          **extra).to(x.dtype)
+    kind, kernel and dtype): [T, D] in x's dtype (summed in float32, rounded once). The
+    banks' kernel call is bound once a (w2, b13, b2) and kept on w13 (a layer calls it with
+    the same ones every step)."""
+    cached = getattr(w13, "_moe_call", None)
+    if cached is None or cached[0] is not w2 or cached[1] is not b13 or cached[2] is not b2:
+        if not (type(w2) is type(w13) and w2.kernel is w13.kernel and w2.dtype == w13.dtype
+                and (not isinstance(w13, NativeFp8Bank) or w13.block == w2.block)
+                and (not isinstance(w13, NativeInt4Bank) or w13.group == w2.group)):
+            raise ValueError(f"fused_moe: w13 and w2 must both be native banks of one kernel "
+                             f"and dtype, got {_describe(w13)} and {_describe(w2)}")
+        fp8, int4 = isinstance(w13, NativeFp8Bank), isinstance(w13, NativeInt4Bank)
+        scales, block = ((w13.s, w2.s), w13.block) if fp8 else (
+            ((w13.gs, w2.gs), (1, w13.group)) if int4 else (None, (128, 128)))
+        call = w13.kernel.bind_moe(w13.q if fp8 or int4 else w13.weight,
+                                   w2.q if fp8 or int4 else w2.weight, scales, block, b13, b2)
+        cached = w13._moe_call = (w2, b13, b2, call)
+    y = cached[3](x, topk_weights, topk_ids, slot_map, activation.kind, activation.alpha,
+                  activation.limit, x.dtype if x.dtype in _IO_FORMATS else torch.float32)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 @functools.cache
