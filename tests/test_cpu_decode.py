@@ -303,6 +303,15 @@ def test_native_decode_attention_matches_the_torch_path(cache_dtype, norms, wind
     check_decode_step(c, norms, window, sinks, interleaved, 32 ** -0.5)
 
 
+@pytest.mark.parametrize("hq,hk", [(20, 2), (9, 1), (24, 3)])
+def test_native_decode_attention_many_q_heads_a_kv_head(hq, hk, threads):
+    # More q heads a kv head than one pass serves (GMAX 8): whole and partial chunks of them,
+    # with a window and sinks, against the torch path.
+    threads(2)
+    c = attention_case(11, [1, 7, 12], hq=hq, hk=hk)
+    check_decode_step(c, True, 5, True, False, 32 ** -0.5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_decode_attention_odd_head_dims_no_grouping_and_skipped_slots(dtype, threads):
     # Dh 40 (vector lanes and a scalar tail), Hq == Hk, fp16, and a sequence whose slot is -1

@@ -242,7 +242,7 @@ def test_native_int4_bank_refuses_bad_groups_and_mixed_banks():
                      c["slot_map"])
 
 
-def test_int4_bank_decodes_prefill_chunks_for_amx(threads):
+def test_int4_bank_decodes_prefill_chunks_for_amx(threads, monkeypatch):
     # An int4 bank on an AMX CPU: a chunk of GEMM_ROWS pairs an expert and more runs AMX's
     # products on its used experts decoded to bf16, the reference's weights: the bits of the
     # bf16 loop on the reference's decode; fewer rows, the native kernel (the gemm=False
@@ -270,3 +270,7 @@ def test_int4_bank_decodes_prefill_chunks_for_amx(threads):
                        tk.fused_moe(c["x"][:1], *banks[False], *one, b13=b13, b2=b2))
     with pytest.raises(ValueError, match="int4 decode"):
         kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([9]))
+    # decoded experts past the budget (a large layer's): the native kernel on the nibbles
+    import sys
+    monkeypatch.setattr(sys.modules["triton_kernels.fused_moe"], "INT4_DECODE_BYTES", 1 << 10)
+    assert torch.equal(tk.fused_moe(c["x"], *banks[True], *args, b13=b13, b2=b2), native)

@@ -55,13 +55,20 @@ typedef uint8_t vu8 __attribute__((vector_size(VW)));
 #define E4M3_UNIT 256.f
 
 static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf *lo, vf *hi) {
-#if VW == 16
+#if VW == 16 && defined(__AVX512BW__)
     __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
     h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16((short)0xbfff));
     __m512 a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     __m512 b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     memcpy(lo, &a, sizeof *lo);
     memcpy(hi, &b, sizeof *hi);
+#elif VW == 16                  /* AVX-512F without BW (Xeon Phi): 16-bit lanes in halves */
+    for (int half = 0; half < 2; half++) {
+        __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + half * VW)));
+        h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbfff));
+        __m512 v = _mm512_cvtph_ps(h);
+        memcpy(half ? hi : lo, &v, sizeof *lo);
+    }
 #else
     typedef int8_t vi8 __attribute__((vector_size(VW)));
     typedef int16_t vi16 __attribute__((vector_size(VW * 2)));

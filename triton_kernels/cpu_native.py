@@ -112,6 +112,9 @@ class NativeKernels:
                  b2: torch.Tensor | None = None) -> MoeCall:
         """moe's weights checked and held once (a layer's banks are the same every step):
         the returned call takes moe's per-call arguments."""
+        if not (w13.dim() == w2.dim() == 3):
+            raise ValueError(f"native MoE: w13 [S, 2I, D] and w2 [S, D, I] expected, got w13 "
+                             f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}")
         d = w2.shape[1]
         fp8, int4 = w13.dtype == E4M3, w13.dtype == torch.uint8
         slots, width = w2.shape[0], w2.shape[2] * (2 if int4 else 1)
@@ -227,7 +230,7 @@ class NativeKernels:
         batch's tensors and the caches."""
         hq, hk, dh = heads
         f32 = torch.float32
-        if not (hk > 0 and hq % hk == 0 and all(
+        if not (hq >= hk > 0 and hq % hk == 0 and dh > 0 and all(
                 t is None or (t.dtype == f32 and t.is_contiguous() and t.shape == (n,)
                               and t.device.type == "cpu")
                 for t, n in ((q_norm, dh), (k_norm, dh), (sinks, hq)))):
@@ -284,8 +287,11 @@ class LinearCall:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         xfmt = _IO_FORMATS[x.dtype]
-        if self.fn(x.data_ptr(), xfmt, x.shape[0], *self.args, out.data_ptr(), xfmt,
-                   torch.get_num_threads()) != 0:
+        rc = self.fn(x.data_ptr(), xfmt, x.shape[0], *self.args, out.data_ptr(), xfmt,
+                     torch.get_num_threads())
+        if rc == -3:                    # (bind_linear checks the groups first)
+            raise ValueError("native linear: int4 groups must be a power of two from 32")
+        if rc != 0:
             raise MemoryError("native linear: out of host memory for x's float32 copy")
         return out
 
@@ -329,6 +335,8 @@ class MoeCall:
         if rc == -2:
             raise ValueError(f"native MoE: an expert id is outside the slot map or maps outside "
                              f"the bank's {self.slots} slots")
+        if rc == -3:                    # (bind_moe checks the groups first)
+            raise ValueError("native MoE: int4 groups must be a power of two from 32")
         if rc != 0:
             raise MemoryError("native MoE: out of host memory for its routing tables or scratch")
         return out
@@ -557,9 +565,11 @@ def moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
     """fused_moe for two native banks (NativeBank, NativeFp8Bank or NativeInt4Bank, of one
     kind, kernel and dtype): [T, D] in x's dtype (summed in float32, rounded once). The
     banks' kernel call is bound once a (w2, b13, b2) and kept on w13 (a layer calls it with
-    the same ones every step)."""
+    the same ones every step; the packed banks' biases are float32)."""
     cached = getattr(w13, "_moe_call", None)
-    if cached is None or cached[0] is not w2 or cached[1] is not b13 or cached[2] is not b2:
+    # (only float32 biases are kept by identity: a 16-bit one's float32 copy would go stale)
+    if (cached is None or cached[0] is not w2 or cached[1] is not b13 or cached[2] is not b2
+            or any(b is not None and b.dtype != torch.float32 for b in (b13, b2))):
         if not (type(w2) is type(w13) and w2.kernel is w13.kernel and w2.dtype == w13.dtype
                 and (not isinstance(w13, NativeFp8Bank) or w13.block == w2.block)
                 and (not isinstance(w13, NativeInt4Bank) or w13.group == w2.group)):

@@ -141,18 +141,25 @@ def _amx_prefill(x, w13: NativeBank, w2, topk_weights, topk_ids, slot_map, b13, 
     return run(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, *biases, activation)
 
 
+INT4_DECODE_BYTES = 512 << 20   # the most a prefill chunk's decoded int4 experts take
+
+
 def _int4_amx_prefill(x, w13: NativeInt4Bank, w2, topk_weights, topk_ids, slot_map, b13, b2,
                       activation) -> torch.Tensor | None:
     """_amx_prefill for int4 banks: the chunk's used experts decoded to bf16 (the reference's
-    weights; one layer of 64 experts of [512, 1024] and [1024, 256], ~5 ms on 2 cores), then
-    AMX's products on them. None where it does not apply (no AMX, x not bf16, fewer than
-    GEMM_ROWS pairs an expert)."""
+    weights, exactly for 16-bit scales; one layer of 64 experts of [512, 1024] and
+    [1024, 256], ~5 ms on 2 cores, 100 MB), then AMX's products on them. None where it does
+    not apply (no AMX, x not bf16, fewer than GEMM_ROWS pairs an expert) or where the decoded
+    experts would pass INT4_DECODE_BYTES (a large layer's, e.g. 128 experts of 2048 x 768:
+    1.2 GB; INT4 is chosen to save RAM), which the native kernel runs from the nibbles."""
     if not (w13.gemm and isinstance(w2, NativeInt4Bank) and w2.gemm
             and x.dtype == torch.bfloat16
             and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
         return None
     slots = (topk_ids if slot_map is None else slot_map[topk_ids]).long()
     used = slots.unique()
+    if used.numel() * 2 * (w13.n * w13.k + w2.n * w2.k) > INT4_DECODE_BYTES:
+        return None
     remap = torch.zeros(w13.experts, dtype=torch.long)
     remap[used] = torch.arange(used.numel())
     up = w13.kernel.int4_decode(w13.q, w13.gs, w13.group, used)

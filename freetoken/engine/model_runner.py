@@ -346,14 +346,23 @@ class ModelRunner:
 
 def _cpu_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors a CPU engine's forward streams: the parameters and buffers, and the copies
-    packing made (fused projections, decoded expert banks; NativeFp8Bank's bytes)."""
+    packing made (fused projections and their fp8/int4 bytes, int4 GEMM copies, decoded
+    expert banks, the fp8 and int4 banks' bytes, scales and bf16 prefill copies)."""
+    tk = triton_kernels
     out = list(model.parameters()) + list(model.buffers())
     for m in model.modules():
         for v in vars(m).values():
-            if isinstance(v, triton_kernels.CpuLinear) and v.weight is not None:
-                out.append(v.weight)
+            if isinstance(v, tk.CpuLinear):
+                out += [t for t in (v.weight, v.quant and v.quant.q, v.quant and v.quant.s)
+                        if isinstance(t, torch.Tensor)]
+            elif isinstance(v, tk.Int4Linear):
+                out += [v.packed.q, v.packed.sz]
             elif isinstance(v, dict):
-                out += [b.q if isinstance(b, triton_kernels.NativeFp8Bank) else b.weight
-                        for b in v.values()
-                        if isinstance(b, (triton_kernels.NativeBank, triton_kernels.NativeFp8Bank))]
+                for b in v.values():
+                    if isinstance(b, tk.NativeBank):
+                        out.append(b.weight)
+                    elif isinstance(b, tk.NativeFp8Bank):
+                        out += [b.q, b.s] + ([b.prefill.weight] if b.prefill is not None else [])
+                    elif isinstance(b, tk.NativeInt4Bank):
+                        out += [b.q, b.gs]
     return out

@@ -106,8 +106,8 @@ class ExpertStore:
         if self.layer_bytes > spare_bytes and not self.layout.packs_in_place(bank):
             return 0
         packed = self.layout.pack_cpu(bank)
-        if packed is None:
-            return 0
+        if packed is None or _packed_bytes(packed, bank) > spare_bytes:
+            return 0        # (an in-place form's own bytes, int4's float32 scales, must fit too)
         self.cpu_banks[layer] = packed
         return _packed_bytes(packed, bank)
 
