@@ -186,6 +186,33 @@ def test_cpu_linear_decoded_weights_take_one_two_byte_copy():
     assert tk.cpu_linear(torch.randn(4, 8).to(torch.float64)) is None
 
 
+@pytest.mark.parametrize("kind", ["fp8_block", "int4"])
+def test_fp16_quant_linear_reads_its_bytes_for_decode_rows(kind):
+    # An fp16 model's fp8 or int4 projection (int4: torch's int4 GEMM is bf16-only): decode
+    # rows run the native GEMV on the checkpoint's bytes, 8 rows and more FBGEMM's product
+    # on the fp16 copy; both are the reference's weight, to fp16's rounding.
+    from freetoken.models.layers.linear import QuantLinear
+    from freetoken.models.quant.quantize import quantize_weight
+    from triton_kernels.dequant import QuantFormat
+    fmt = (QuantFormat("fp8_block", block=(32, 32)) if kind == "fp8_block"
+           else QuantFormat("int4", group=32, symmetric=False))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g) * 0.1
+    lin = QuantLinear(64, 48, fmt, bias=True, dtype=torch.float16)
+    for name, t in quantize_weight(fmt, w, scale_dtype=torch.float16).items():
+        getattr(lin, name).data = t
+    lin.bias.data = torch.randn(48, generator=g).half()
+    assert lin.pack_cpu() > 0 and isinstance(lin.packed, tk.CpuLinear)
+    assert lin.packed.quant is not None and lin.packed.quant.q.data_ptr() == lin.q.data_ptr()
+    x = torch.randn(8, 64, generator=g).half()
+    want = F.linear(x.double(), lin.dequantized(torch.float64), lin.bias.double())
+    one = torch.cat([lin(x[i:i + 1]) for i in range(8)])
+    many = lin(x)
+    for got in (one, many):
+        assert got.dtype == torch.float16
+        assert ((got.double() - want).abs() <= 2e-3 * want.abs().max()).all()
+
+
 def test_native_bank_hands_prefill_rows_to_amx_products():
     # An AMX bank: a call of GEMM_ROWS (token, expert) pairs an expert and more runs torch's
     # bf16 products an expert at a time (grouped, with HF's loop's bits; the float32 biases

@@ -131,7 +131,7 @@ EXPERT_BANK = tk.NativeInt4Bank if tk.native_kernels() is not None else tk.Int4P
 
 
 @pytest.mark.usefixtures("one_thread", "no_saved_profiles")
-def test_bf16_cpu_engine_runs_int4_packed(int4_model):
+def test_bf16_cpu_engine_runs_int4_packed(int4_model, monkeypatch):
     want = LLM(int4_model, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
     # float32 packs nothing: the reference's decode
     runs = {"resident": {}, "cpu": dict(moe_backend="cpu"),
@@ -148,6 +148,14 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model):
         assert alone and all(isinstance(m.packed, tk.Int4Linear) for m in alone), name
         assert attns and all(isinstance(a.qkv_packed, tk.Int4Linear) for a in attns), name
         assert all(a.cpu_decode is not None for a in attns) == (tk.native_kernels() is not None)
+        if name == "resident" and tk.native_kernels() is not None:   # and its decode steps take it
+            calls = []
+            real = tk.cpu_native.AttnCall.__call__
+            monkeypatch.setattr(tk.cpu_native.AttnCall, "__call__",
+                                lambda *a, **k: calls.append(1) or real(*a, **k))
+            llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+            monkeypatch.setattr(tk.cpu_native.AttnCall, "__call__", real)
+            assert len(calls) >= 3 * len(attns)
         blocks = model.moe_blocks()
         # the experts: the native kernel on the checkpoint's nibbles where it is built
         store = llm.runner.expert_store
