@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_kernels.cpu_native import _IO_FORMATS, NativeKernels
+from triton_kernels.cpu_native import NativeKernels
 
 
 class CpuDecodeAttention:
@@ -32,22 +32,11 @@ class CpuDecodeAttention:
         # the kernel call with these constants, checked once (cpu_native.AttnCall)
         self.call = kernel.bind_attn(heads, self.q_norm, self.k_norm, eps, interleaved, window,
                                      self.sinks, scale)
-        self.taken: tuple | None = None          # the last caches `takes` accepted
 
     def takes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """Whether the call reads and writes these caches: [NB, BS, Hk, Dh] each, one dtype,
-        16-bit or float32, on the CPU (an fp8 cache keeps the torch path). (The engine's are
-        the same tensors every step: checked once.)"""
-        if self.taken is not None and self.taken[0] is k_cache and self.taken[1] is v_cache:
-            return True
-        _, hk, dh = self.heads
-        ok = (k_cache.dtype in _IO_FORMATS and v_cache.dtype == k_cache.dtype
-              and k_cache.device.type == "cpu" and k_cache.dim() == 4
-              and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (hk, dh)
-              and k_cache.is_contiguous() and v_cache.is_contiguous())
-        if ok:
-            self.taken = (k_cache, v_cache)
-        return ok
+        """Whether the call reads and writes these caches (cpu_native.AttnCall.takes: 16-bit
+        or float32 [NB, BS, Hk, Dh]; an fp8 cache keeps the torch path)."""
+        return self.call.takes(k_cache, v_cache)
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -269,6 +269,15 @@ class NativeKernels:
         return weights, ids
 
 
+def _check_rc(rc: int, what: str, scratch: str) -> None:
+    """A kernel's return code: -3 int4 groups it cannot take (the bind checks them first),
+    any other nonzero a failed allocation."""
+    if rc == -3:
+        raise ValueError(f"{what}: int4 groups must be a power of two from 32")
+    if rc != 0:
+        raise MemoryError(f"{what}: out of host memory for {scratch}")
+
+
 class LinearCall:
     """NativeKernels.bind_linear's: x [T, K] -> [T, N] in x's dtype (only x checked)."""
 
@@ -287,12 +296,8 @@ class LinearCall:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         xfmt = _IO_FORMATS[x.dtype]
-        rc = self.fn(x.data_ptr(), xfmt, x.shape[0], *self.args, out.data_ptr(), xfmt,
-                     torch.get_num_threads())
-        if rc == -3:                    # (bind_linear checks the groups first)
-            raise ValueError("native linear: int4 groups must be a power of two from 32")
-        if rc != 0:
-            raise MemoryError("native linear: out of host memory for x's float32 copy")
+        _check_rc(self.fn(x.data_ptr(), xfmt, x.shape[0], *self.args, out.data_ptr(), xfmt,
+                          torch.get_num_threads()), "native linear", "x's float32 copy")
         return out
 
 
@@ -335,10 +340,7 @@ class MoeCall:
         if rc == -2:
             raise ValueError(f"native MoE: an expert id is outside the slot map or maps outside "
                              f"the bank's {self.slots} slots")
-        if rc == -3:                    # (bind_moe checks the groups first)
-            raise ValueError("native MoE: int4 groups must be a power of two from 32")
-        if rc != 0:
-            raise MemoryError("native MoE: out of host memory for its routing tables or scratch")
+        _check_rc(rc, "native MoE", "its routing tables or scratch")
         return out
 
 
@@ -353,18 +355,27 @@ class AttnCall:
         self.ptrs = [0 if t is None else t.data_ptr() for t in (q_norm, k_norm, sinks)]
         self.caches = None                  # the last pair that passed its checks
 
-    def _check_caches(self, k_cache, v_cache) -> None:
+    def takes(self, k_cache, v_cache) -> bool:
+        """Whether this call reads and writes these caches: [NB, BS, Hk, Dh] each, one dtype,
+        16-bit or float32, contiguous, on the CPU (an fp8 cache keeps the torch path). The
+        engine's are the same tensors every step: the last pair accepted is kept."""
         if self.caches is not None and self.caches[0] is k_cache and self.caches[1] is v_cache:
-            return
+            return True
         _, hk, dh = self.heads
-        if not (k_cache.dtype in _IO_FORMATS and k_cache.dim() == 4
-                and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (hk, dh)
-                and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and v_cache.dtype == k_cache.dtype
-                and k_cache.device.type == v_cache.device.type == "cpu"):
+        ok = (k_cache.dtype in _IO_FORMATS and k_cache.dim() == 4
+              and k_cache.shape == v_cache.shape and tuple(k_cache.shape[2:]) == (hk, dh)
+              and k_cache.is_contiguous() and v_cache.is_contiguous()
+              and v_cache.dtype == k_cache.dtype
+              and k_cache.device.type == v_cache.device.type == "cpu")
+        if ok:
+            self.caches = (k_cache, v_cache)
+        return ok
+
+    def _check_caches(self, k_cache, v_cache) -> None:
+        if not self.takes(k_cache, v_cache):
+            _, hk, dh = self.heads
             raise ValueError(f"native decode attention: caches [NB, BS, {hk}, {dh}] expected, "
                              f"got {tuple(k_cache.shape)} {k_cache.dtype}")
-        self.caches = (k_cache, v_cache)
 
     def __call__(self, qkv, cos_sin, positions, k_cache, v_cache, slots, tables,
                  lens) -> torch.Tensor:
