@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of a prompt's cached prefix and keep finished requests' "
                         "full blocks cached until the space is needed (default: on)")
+    s.add_argument("--enforce-eager", action="store_true",
+                   help="a CPU engine runs its layers' modules at every decode step instead of "
+                        "replaying them as one native program")
     s.add_argument("--cpu-threads", type=_positive_int, metavar="N",
                    help="torch CPU threads (default: all cores but one)")
     s.add_argument("--api-key", help="require this key (also FREETOKEN_API_KEY; the flag wins)")
@@ -216,7 +219,8 @@ def serve(args) -> int:
         engine = EngineConfig(model=model, device=_resolve_device(args), dtype=args.dtype,
                               max_model_len=args.max_seq_len_override,
                               kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args),
-                              max_state_slots=args.max_state_slots)
+                              max_state_slots=args.max_state_slots,
+                              enforce_eager=args.enforce_eager)
         scheduler = SchedulerConfig(max_prefill_length=args.max_prefill_length,
                                     max_step_time_s=args.max_step_time_ms / 1e3 or None,
                                     max_running_requests=args.max_running_requests,

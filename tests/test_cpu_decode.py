@@ -409,7 +409,8 @@ def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family,
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=2)
     prompts = [[5, 17, 99, 3, 200, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
                [40, 41, 2, 9, 77, 300, 12, 8, 1, 64, 65, 66, 3, 3, 5, 900, 17, 18]]
-    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
+    # (enforce_eager: the modules' step, which the decode program replays: test_cpu_graph.py)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
     attns = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
     assert attns and all(a.cpu_decode is not None for a in attns)
     calls = []                                      # the native steps taken

@@ -20,6 +20,7 @@ says why, once).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -38,7 +39,8 @@ log = logging.getLogger("freetoken.kernels")
 
 _HERE = Path(__file__).parent
 # compiled together into one library
-_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c")
+_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c",
+            "cpu_program.c")
 _HEADERS = ("cpu_dot.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
@@ -79,9 +81,13 @@ class NativeKernels:
         fn.restype = None
         self._rms_norm = fn
         fn = lib.ft_topk_softmax
-        fn.argtypes = [p, c_int, i64, i64, i64, c_int, p, p]
+        fn.argtypes = [p, c_int, i64, i64, i64, c_int, p, p, c_int]
         fn.restype = None
         self._topk_softmax = fn
+        fn = lib.ft_run
+        fn.argtypes = [p, i64, i64, c_int, p]
+        fn.restype = c_int
+        self.run = fn           # cpu_program.c: a list of the calls above in one call
 
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
@@ -265,8 +271,51 @@ class NativeKernels:
         weights = torch.empty(t, top_k)
         ids = torch.empty(t, top_k, dtype=torch.int64)
         self._topk_softmax(logits.data_ptr(), _IO_FORMATS[logits.dtype], t, e, top_k,
-                           int(renormalize), weights.data_ptr(), ids.data_ptr())
+                           int(renormalize), weights.data_ptr(), ids.data_ptr(), 2)
         return weights, ids
+
+    def topk_op(self, logits: torch.Tensor, top_k: int, renormalize: bool,
+                weights: torch.Tensor, ids: torch.Tensor,
+                round_to: torch.dtype | None = None) -> Op:
+        """topk_softmax as a program's op (cpu_program.py) over its buffers: logits [R, E]
+        -> weights [R, k] float32 (rounded to round_to, bf16 or fp16, where given), ids
+        [R, k] int64."""
+        r, e = logits.shape
+        _rows("top-k logits", logits, r, e, tuple(_IO_FORMATS))
+        _rows("top-k weights", weights, r, top_k, (torch.float32,))
+        _rows("top-k ids", ids, r, top_k, (torch.int64,))
+        if not 1 <= top_k <= e or round_to not in (None, *_FORMATS):
+            raise ValueError(f"native top-k: 1 <= k <= {e} and a 16-bit rounding expected, "
+                             f"got k={top_k}, {round_to}")
+        return Op(OP_TOPK, (logits.data_ptr(), _IO_FORMATS[logits.dtype], e, top_k,
+                            int(renormalize), weights.data_ptr(), ids.data_ptr(),
+                            2 if round_to is None else _FORMATS[round_to]), (),
+                  (logits, weights, ids))
+
+
+# cpu_program.c's op kinds
+OP_RMS_NORM, OP_LINEAR, OP_ATTN, OP_TOPK, OP_MOE = range(5)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """One kernel call of a program (cpu_program.c): its arguments in the kernel's order,
+    less the row count and the threads the run gives; pointers as integers, into `keep`'s
+    tensors (held as long as the op is) and the bound call's."""
+    kind: int
+    ints: tuple[int, ...]
+    floats: tuple[float, ...]
+    keep: tuple = ()
+
+
+def _rows(what: str, t: torch.Tensor, rows: int, width: int | None, dtypes) -> None:
+    """A program's buffer: [rows, width] (a row of `width` for each of its rows; [rows]
+    where width is None), one of dtypes, contiguous, on the CPU."""
+    shape = (rows,) if width is None else (rows, width)
+    if not (tuple(t.shape) == shape and t.dtype in dtypes and t.is_contiguous()
+            and t.device.type == "cpu"):
+        raise ValueError(f"native program: {what} must be {list(shape)} contiguous on the CPU "
+                         f"in {', '.join(map(str, dtypes))}, got {tuple(t.shape)} {t.dtype}")
 
 
 def _check_rc(rc: int, what: str, scratch: str) -> None:
@@ -276,6 +325,10 @@ def _check_rc(rc: int, what: str, scratch: str) -> None:
         raise ValueError(f"{what}: int4 groups must be a power of two from 32")
     if rc != 0:
         raise MemoryError(f"{what}: out of host memory for {scratch}")
+
+
+ATTN_RANGE = ("native decode attention: a block id, slot, position or length is outside "
+              "the cache, its table or the rope table")
 
 
 class LinearCall:
@@ -299,6 +352,14 @@ class LinearCall:
         _check_rc(self.fn(x.data_ptr(), xfmt, x.shape[0], *self.args, out.data_ptr(), xfmt,
                           torch.get_num_threads()), "native linear", "x's float32 copy")
         return out
+
+    def op(self, x: torch.Tensor, out: torch.Tensor) -> Op:
+        """This call as a program's op: x [R, K] -> out [R, N], both in x's dtype."""
+        _rows("linear x", x, x.shape[0], self.k, tuple(_IO_FORMATS))
+        _rows("linear out", out, x.shape[0], self.n, (x.dtype,))
+        fmt = _IO_FORMATS[x.dtype]
+        return Op(OP_LINEAR, (x.data_ptr(), fmt, *self.args, out.data_ptr(), fmt), (),
+                  (self, x, out))
 
 
 class MoeCall:
@@ -342,6 +403,27 @@ class MoeCall:
                              f"the bank's {self.slots} slots")
         _check_rc(rc, "native MoE", "its routing tables or scratch")
         return out
+
+    def op(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+           scratch: torch.Tensor, out: torch.Tensor, activation: str = "silu",
+           alpha: float = 1.702, limit: float = 7.0) -> Op:
+        """This call as a program's op (every expert id in the bank, no slot map): x [R, D],
+        weights [R, k] float32 and ids [R, k] int64 -> out [R, D] in x's dtype; scratch
+        float32, at least R k I + R D."""
+        r, k = topk_ids.shape
+        _rows("MoE x", x, r, self.d, tuple(_IO_FORMATS))
+        _rows("MoE weights", topk_weights, r, k, (torch.float32,))
+        _rows("MoE ids", topk_ids, r, k, (torch.int64,))
+        _rows("MoE out", out, r, self.d, (x.dtype,))
+        if not (scratch.dtype == torch.float32 and scratch.is_contiguous()
+                and scratch.numel() >= r * (k * self.width + self.d)):
+            raise ValueError(f"native program: MoE scratch of {r * (k * self.width + self.d)} "
+                             f"float32 expected, got {scratch.numel()} {scratch.dtype}")
+        fmt = _IO_FORMATS[x.dtype]
+        return Op(OP_MOE, (x.data_ptr(), fmt, topk_ids.data_ptr(), 0, 0,
+                           topk_weights.data_ptr(), k, *self.weights, ACTIVATIONS[activation],
+                           scratch.data_ptr(), out.data_ptr(), fmt), (alpha, limit),
+                  (self, x, topk_weights, topk_ids, scratch, out))
 
 
 class AttnCall:
@@ -408,11 +490,41 @@ class AttnCall:
             tables.shape[1], lens.data_ptr(), self.window, self.ptrs[2], self.scale,
             torch.get_num_threads(), scratch.data_ptr(), out.data_ptr())
         if rc == -2:
-            raise ValueError("native decode attention: a block id, slot, position or length "
-                             "is outside the cache, its table or the rope table")
+            raise ValueError(ATTN_RANGE)
         if rc != 0:
             raise MemoryError("native decode attention: out of host memory for its scratch")
         return out
+
+    def op(self, qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+           tables: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor,
+           out: torch.Tensor) -> Op:
+        """This call as a program's op over R sequences: qkv [R, (Hq + 2Hk) Dh] -> out
+        [R, Hq Dh] in its dtype; positions, slots [R] int64, lens [R] int32, tables [R, M]
+        int32 (the run's indices: each checked in C), scratch [R, Hq Dh] float32."""
+        hq, hk, dh = self.heads
+        r = qkv.shape[0]
+        self._check_caches(k_cache, v_cache)
+        _rows("attention qkv", qkv, r, (hq + 2 * hk) * dh, tuple(_IO_FORMATS))
+        _rows("attention out", out, r, hq * dh, (qkv.dtype,))
+        _rows("attention scratch", scratch, r, hq * dh, (torch.float32,))
+        _rows("positions", positions, r, None, (torch.int64,))
+        _rows("slots", slots, r, None, (torch.int64,))
+        _rows("lens", lens, r, None, (torch.int32,))
+        _rows("block tables", tables, r, tables.shape[1], (torch.int32,))
+        if not (cos_sin.dtype == torch.float32 and cos_sin.is_contiguous() and cos_sin.dim() == 2
+                and cos_sin.shape[1] <= dh and cos_sin.shape[1] % 2 == 0):
+            raise ValueError(f"native program: a float32 rope table [P, <= {dh}] expected, "
+                             f"got {tuple(cos_sin.shape)} {cos_sin.dtype}")
+        nb, bs = k_cache.shape[:2]
+        return Op(OP_ATTN, (
+            qkv.data_ptr(), _IO_FORMATS[qkv.dtype], hq, hk, dh, self.ptrs[0], self.ptrs[1],
+            cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], self.interleaved,
+            positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            _IO_FORMATS[k_cache.dtype], nb, bs, slots.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), self.window, self.ptrs[2], scratch.data_ptr(),
+            out.data_ptr()), (self.eps, self.scale),
+            (self, qkv, cos_sin, positions, k_cache, v_cache, slots, tables, lens, scratch, out))
 
 
 class RmsNormCall:
@@ -438,6 +550,23 @@ class RmsNormCall:
                 self.weight.data_ptr(), self.eps, x.shape[0], self.d, self.fmt, out.data_ptr(),
                 0 if res_out is None else res_out.data_ptr(), torch.get_num_threads())
         return out if residual is None else (out, res_out)
+
+    def op(self, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor,
+           res_out: torch.Tensor | None = None) -> Op:
+        """This call as a program's op: x [R, D] (+ residual) -> out, and the sum into
+        res_out (which may be residual itself: each element is read before it is written);
+        all in the weight's dtype."""
+        r = x.shape[0]
+        for what, t in (("x", x), ("residual", residual), ("out", out), ("sum", res_out)):
+            if t is not None:
+                _rows(f"rms_norm {what}", t, r, self.d, (self.weight.dtype,))
+        if (residual is None) != (res_out is None) or out is x:
+            raise ValueError("native program: rms_norm takes a residual with its sum's "
+                             "buffer, and writes out apart from x")
+        return Op(OP_RMS_NORM, (x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                                self.weight.data_ptr(), self.d, self.fmt, out.data_ptr(),
+                                0 if res_out is None else res_out.data_ptr()), (self.eps,),
+                  (self, x, residual, out, res_out))
 
 
 class NativeBank:
@@ -574,14 +703,23 @@ class NativeInt4Bank:
 def moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
                activation) -> torch.Tensor:
     """fused_moe for two native banks (NativeBank, NativeFp8Bank or NativeInt4Bank, of one
-    kind, kernel and dtype): [T, D] in x's dtype (summed in float32, rounded once). The
-    banks' kernel call is bound once a (w2, b13, b2) and kept on w13 (a layer calls it with
-    the same ones every step; the packed banks' biases are float32)."""
+    kind, kernel and dtype): [T, D] in x's dtype (summed in float32, rounded once)."""
+    y = bound_moe(w13, w2, b13, b2)(x, topk_weights, topk_ids, slot_map, activation.kind,
+                                    activation.alpha, activation.limit,
+                                    x.dtype if x.dtype in _IO_FORMATS else torch.float32)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def bound_moe(w13, w2, b13, b2) -> MoeCall:
+    """The kernel call of two native banks (and their biases), bound once a (w2, b13, b2)
+    and kept on w13: a layer calls it with the same ones every step (the packed banks'
+    biases are float32)."""
     cached = getattr(w13, "_moe_call", None)
     # (only float32 biases are kept by identity: a 16-bit one's float32 copy would go stale)
     if (cached is None or cached[0] is not w2 or cached[1] is not b13 or cached[2] is not b2
             or any(b is not None and b.dtype != torch.float32 for b in (b13, b2))):
-        if not (type(w2) is type(w13) and w2.kernel is w13.kernel and w2.dtype == w13.dtype
+        if not (isinstance(w13, (NativeBank, NativeFp8Bank, NativeInt4Bank))
+                and type(w2) is type(w13) and w2.kernel is w13.kernel and w2.dtype == w13.dtype
                 and (not isinstance(w13, NativeFp8Bank) or w13.block == w2.block)
                 and (not isinstance(w13, NativeInt4Bank) or w13.group == w2.group)):
             raise ValueError(f"fused_moe: w13 and w2 must both be native banks of one kernel "
@@ -592,9 +730,7 @@ def moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
         call = w13.kernel.bind_moe(w13.q if fp8 or int4 else w13.weight,
                                    w2.q if fp8 or int4 else w2.weight, scales, block, b13, b2)
         cached = w13._moe_call = (w2, b13, b2, call)
-    y = cached[3](x, topk_weights, topk_ids, slot_map, activation.kind, activation.alpha,
-                  activation.limit, x.dtype if x.dtype in _IO_FORMATS else torch.float32)
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    return cached[3]
 
 
 @functools.cache

@@ -6,12 +6,14 @@
  *
  * logits [T, E] in fmt (0 bf16, 1 fp16, 2 f32) -> weights [T, k] f32 and ids [T, k] i64,
  * largest first (the lower id first among equal ones). softmax in float32 over all E, as
- * topk_softmax_reference; renorm: the k weights divided by their sum.
+ * topk_softmax_reference; renorm: the k weights divided by their sum; wfmt 0 or 1: each
+ * weight then rounded to bf16 or fp16 (the families that cast them to the model's dtype),
+ * 2: kept in float32.
  */
 #include "cpu_dot.h"
 
 void ft_topk_softmax(const void *logits, int fmt, int64_t t_count, int64_t e_count,
-                     int64_t k, int renorm, float *weights, int64_t *ids) {
+                     int64_t k, int renorm, float *weights, int64_t *ids, int wfmt) {
     for (int64_t t = 0; t < t_count; t++) {
         float m = -INFINITY;
         for (int64_t e = 0; e < e_count; e++) {
@@ -44,5 +46,7 @@ void ft_topk_softmax(const void *logits, int fmt, int64_t t_count, int64_t e_cou
         if (renorm)
             for (int64_t j = 0; j < k; j++)
                 w[j] /= kept;
+        for (int64_t j = 0; j < k; j++)
+            w[j] = round_to(w[j], wfmt);
     }
 }

@@ -23,6 +23,9 @@ class EngineConfig:
     # Hybrid linear-attention models: requests that can hold a state slot at once. None: sized
     # from memory (model_runner), at most AUTO_STATE_SLOTS.
     max_state_slots: int | None = None
+    # A CPU engine replays its decode steps as one native program (engine/cpu_graph.py, a
+    # CUDA graph's role); True runs the modules every step (vLLM's name).
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -35,5 +38,7 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99]")
         if self.max_state_slots is not None and self.max_state_slots < 1:
             raise ValueError("max_state_slots must be positive")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.moe, MoeConfig):
             raise ValueError(f"moe must be a MoeConfig, got {type(self.moe).__name__}")

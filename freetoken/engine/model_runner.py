@@ -24,6 +24,7 @@ from freetoken.engine.cache_spec import bytes_per_slot, bytes_per_token
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
                                      resolve_model_path)
+from freetoken.engine.cpu_graph import ROWS, CpuDecodeGraph
 from freetoken.models.layers.linear import pack_for_cpu
 from freetoken.models.quant.apply import describe_parts
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
@@ -131,6 +132,13 @@ class ModelRunner:
             log.info("state slots: %d (%.1f MiB, %d bytes per request across %d linear-attention "
                      "layers)", num_slots, num_slots * per_slot / 2**20, per_slot,
                      sum(1 for s in self.cache_specs.values() if hasattr(s, "allocate_slots")))
+        self.cpu_graph = None
+        if self.device.type == "cpu" and not config.enforce_eager and self.moe is None:
+            self.cpu_graph, why = CpuDecodeGraph.build(
+                self.model, self.kv, -(-self.max_model_len // config.block_size))
+            log.info("CPU: decode steps of up to %d sequences replayed as one native program"
+                     if self.cpu_graph else "CPU: decode steps run the modules (%s)",
+                     ROWS if self.cpu_graph else why)
 
     def _plan_moe(self, model, blocks) -> MoePlan:
         """Resolve EngineConfig.moe against the meta-built model and the free memory."""
@@ -340,6 +348,10 @@ class ModelRunner:
             self.moe.begin_step()
         if all_logits:
             batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
+        if self.cpu_graph is not None and not all_logits:
+            logits = self.cpu_graph.run(batch)
+            if logits is not None:
+                return logits
         with triton_kernels.kernel_backend(self.config.kernel_backend):
             return self.model(batch)
 

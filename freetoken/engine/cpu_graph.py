@@ -1,0 +1,166 @@
+"""A CPU engine's decode step as one native program: what a CUDA graph is to a GPU engine.
+
+The modules' decode step on a CPU engine is ~8 native calls a layer (cpu_native.py's bound
+calls) with Python between them; each call costs 10-15 us beyond its work, ~1.5 ms of a
+12-layer model's step (bench model, bf16: 12.9 ms). Here the same calls are recorded once
+(triton_kernels/cpu_program.py) over buffers of ROWS rows, and each pure-decode batch of up
+to ROWS sequences replays them: the embedding rows and the batch's positions, slots, lengths
+and block tables copied in, one library call per run of native ops, the logits copied out.
+Same kernels, same arguments, same order: the same bits as the modules' step.
+
+Built where every layer is one the native calls cover (else `build` says why not, and the
+modules run every step):
+- DecoderLayer: native RMSNorms (16-bit);
+- Attention with its native decode step (cpu_decode) after the fused q/k/v product, the
+  KV cache 16-bit or float32;
+- SparseMoeBlock without shared experts: a plain (softmax -> top-k) router on the native
+  GEMV and top-k, the experts in native banks (bf16, fp8 or int4) computed by the CPU;
+- projections on the native GEMV (CpuLinear), or torch's int4 GEMM (Int4Linear), which runs
+  as a Python step between the runs of native ops.
+Families that fit: qwen3_moe, qwen2_moe-shaped ones without a shared expert, mixtral,
+gpt-oss. `enforce_eager` (vLLM's name) turns it off.
+
+Buffers (R = ROWS, D hidden): res [R, D] the residual stream (the embedding rows first), h
+[R, D] each block's output, n [R, D] the normed input of the next block; per layer shape,
+qkv [R, (Hq + 2Hk) Dh], o and its float32 scratch [R, Hq Dh], router logits [R, E], top-k
+weights and ids [R, k], the experts' scratch; logits [R, V].
+"""
+
+from __future__ import annotations
+
+import torch
+
+import triton_kernels as tk
+from freetoken.engine.batch import ForwardBatch
+from freetoken.models.layers.attention import Attention
+from freetoken.models.layers.decoder import DecoderLayer, MoeForCausalLM
+from freetoken.models.layers.linear import Linear, QuantLinear
+from freetoken.models.layers.moe import SparseMoeBlock
+from triton_kernels.cpu_linear import NATIVE_ROWS
+
+ROWS = NATIVE_ROWS - 1          # from NATIVE_ROWS rows the projections take the GEMMs
+
+
+class NotCovered(Exception):
+    """What in the model the native calls do not cover."""
+
+
+def _need(ok, why: str) -> None:
+    if not ok:
+        raise NotCovered(why)
+
+
+class CpuDecodeGraph:
+    def __init__(self, model: MoeForCausalLM, kv, max_blocks: int):
+        kernel = tk.native_kernels()
+        _need(kernel is not None, "no native kernels")
+        _need(isinstance(model, MoeForCausalLM), f"{type(model).__name__} is not a decoder stack")
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        dtype, d = self.embed.dtype, self.embed.shape[1]
+        _need(dtype in (torch.bfloat16, torch.float16), f"a {dtype} model")
+        self.dtype, r = dtype, ROWS
+        self.res, self.h, self.n = (torch.zeros(r, d, dtype=dtype) for _ in range(3))
+        self.positions = torch.zeros(r, dtype=torch.int64)
+        self.slots = torch.zeros(r, dtype=torch.int64)
+        self.lens = torch.ones(r, dtype=torch.int32)
+        self.tables = torch.zeros(r, max_blocks, dtype=torch.int32)
+        self._shared: dict = {}                     # buffers by (name, width, dtype)
+        prog = self.program = tk.CpuProgram(kernel, r)
+        for i, layer in enumerate(inner.layers):
+            _need(type(layer) is DecoderLayer, f"layer {i} is a {type(layer).__name__}")
+            norm_in, norm_post = (layer.input_layernorm.native,
+                                  layer.post_attention_layernorm.native)
+            _need(norm_in is not None and norm_post is not None, f"layer {i}'s norms")
+            prog.add(norm_in.op(self.res, None, self.n) if i == 0
+                     else norm_in.op(self.h, self.res, self.n, self.res))
+            self._attention(layer.attn_module, kv.layer(i), i)          # n -> h
+            prog.add(norm_post.op(self.h, self.res, self.n, self.res))
+            self._moe(layer.mlp_module, i)                                # n -> h
+        _need(inner.norm.native is not None, "the final norm")
+        prog.add(inner.norm.native.op(self.h, self.res, self.n, self.res))
+        self.logits = torch.zeros(r, model.config.vocab_size, dtype=dtype)
+        self._linear(model.lm_head, self.n, self.logits, "lm_head")
+        self.runs = 0                               # steps replayed (instrumentation, tests)
+
+    @classmethod
+    def build(cls, model, kv, max_blocks: int) -> tuple[CpuDecodeGraph | None, str]:
+        """The graph, or None and what the native calls do not cover."""
+        try:
+            return cls(model, kv, max_blocks), ""
+        except NotCovered as exc:
+            return None, str(exc)
+
+    def _buf(self, name: str, width: int, dtype=None) -> torch.Tensor:
+        """A buffer [ROWS, width] the layers share (they run one after another)."""
+        key = (name, width, dtype or self.dtype)
+        if key not in self._shared:
+            self._shared[key] = torch.zeros(ROWS, width, dtype=key[2])
+        return self._shared[key]
+
+    def _linear(self, proj, x: torch.Tensor, out: torch.Tensor, what: str) -> None:
+        """x [R, K] -> out [R, N] through a projection's CPU product for decode rows."""
+        packed = proj.packed if isinstance(proj, (Linear, QuantLinear)) else proj
+        if isinstance(packed, tk.CpuLinear) and packed.gemv is not None:
+            self.program.add(packed.gemv.op(x, out))
+        elif isinstance(packed, tk.Int4Linear):
+            # torch's int4 GEMM (no native kernel beats it at one row): a Python step
+            self.program.python(lambda t: out[:t].copy_(packed(x[:t])))
+        else:
+            raise NotCovered(f"{what} has no native GEMV or int4 GEMM")
+
+    def _attention(self, attn, caches, i: int) -> None:
+        """n -> h: the fused q/k/v product, the native decode step, o_proj."""
+        _need(isinstance(attn, Attention) and attn.cpu_decode is not None
+              and attn.qkv_packed is not None, f"layer {i}'s attention has no native decode step")
+        k_cache, v_cache = caches
+        _need(attn.cpu_decode.takes(k_cache, v_cache), f"layer {i}'s KV cache is "
+              f"{k_cache.dtype}")
+        hq, dh = attn.num_heads, attn.head_dim
+        qkv = self._buf("qkv", sum(attn.qkv_widths))
+        o, scratch = self._buf("o", hq * dh), self._buf("o32", hq * dh, torch.float32)
+        self._linear(attn.qkv_packed, self.n, qkv, f"layer {i}'s q/k/v")
+        self.program.add(attn.cpu_decode.call.op(qkv, attn.rope.cos_sin, self.positions,
+                                                 k_cache, v_cache, self.slots, self.tables,
+                                                 self.lens, scratch, o))
+        self._linear(attn.o_proj, o, self.h, f"layer {i}'s o_proj")
+
+    def _moe(self, mlp, i: int) -> None:
+        """n -> h: router GEMV, top-k, the routed experts."""
+        _need(isinstance(mlp, SparseMoeBlock) and mlp.shared_name is None,
+              f"layer {i}'s MLP is not routed experts alone")
+        gate, c, experts = mlp.gate, mlp.gate.cfg, mlp.experts
+        _need(c.plain and gate.native is not None, f"layer {i}'s router is not a native top-k")
+        bank = experts.packed
+        _need(experts.runtime is None and bank is not None
+              and isinstance(bank.get("w13"), (tk.NativeBank, tk.NativeFp8Bank,
+                                               tk.NativeInt4Bank)),
+              f"layer {i}'s experts are not in native banks the CPU computes")
+        kwargs = experts.layout.kernel_kwargs(bank)
+        act = kwargs.get("activation", tk.SILU)
+        call = tk.bound_moe(bank["w13"], bank["w2"], kwargs.get("b13"), kwargs.get("b2"))
+        logits = self._buf("router", c.num_experts)
+        weights = self._buf("topk_w", c.top_k, torch.float32)
+        ids = self._buf("topk_ids", c.top_k, torch.int64)
+        scratch = self._buf("moe32", c.top_k * call.width + call.d, torch.float32)
+        self._linear(gate.packed, self.n, logits, f"layer {i}'s router")
+        self.program.add(gate.native.topk_op(logits, c.top_k, c.renormalize, weights, ids,
+                                             self.dtype if c.weights_in_model_dtype else None))
+        self.program.add(call.op(self.n, weights, ids, scratch, self.h, act.kind, act.alpha,
+                                 act.limit))
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """float32 logits [N, V] for batch.logits_indices, or None where the batch is not a
+        pure decode of at most ROWS sequences (the modules run it)."""
+        t = batch.num_tokens
+        m = batch.block_tables.shape[1]
+        if batch.max_seqlen_q != 1 or not 1 <= t <= ROWS or m > self.tables.shape[1]:
+            return None
+        torch.index_select(self.embed, 0, batch.input_ids, out=self.res[:t])
+        self.positions[:t] = batch.positions
+        self.slots[:t] = batch.slot_mapping
+        self.lens[:t] = batch.seq_lens
+        self.tables[:t, :m] = batch.block_tables
+        self.program.run(t)
+        self.runs += 1
+        return self.logits[:t][batch.logits_indices].float()

@@ -1,0 +1,177 @@
+"""A CPU engine's decode program (freetoken/engine/cpu_graph.py over
+triton_kernels/cpu_program.py): the modules' decode step recorded once as native calls and
+replayed. It runs the same kernels on the same arguments in the same order, so its oracle
+is the modules' own step (enforce_eager) bit for bit: the tokens and their logprobs of
+every step, across batches that shrink from above the program's rows (the modules' steps)
+to one sequence (the program's)."""
+
+import shutil
+
+import pytest
+import torch
+
+import triton_kernels as tk
+from freetoken import LLM, SamplingParams
+from freetoken.engine.cpu_graph import ROWS
+from freetoken.llm import from_flag_text
+from freetoken.models.quant.encode import quantize_checkpoint
+from tiny_fixtures import tiny_model_dir  # noqa: F401
+
+kernel = tk.native_kernels()
+pytestmark = [pytest.mark.skipif(kernel is None, reason="no C compiler: no native kernels"),
+              pytest.mark.usefixtures("one_thread")]
+
+SHAPE = dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, num_experts=8,
+             top_k=2, moe_intermediate_size=64, max_position_embeddings=512)
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(3, 1800, (int(torch.randint(2, 30, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def both(path, prompt_ids, params, **kw):
+    """(program engine's outputs, its graph, the modules' outputs)."""
+    fast = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", **kw)
+    graph = fast.runner.cpu_graph
+    got = fast.generate(prompt_ids, params)
+    eager = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, **kw)
+    assert eager.runner.cpu_graph is None
+    return got, graph, eager.generate(prompt_ids, params)
+
+
+def assert_same(got, want):
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs            # floats, compared exactly
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    def make(quant: str):
+        out = tmp_path_factory.mktemp(f"graph-{quant}") / "m"
+        shutil.copytree(tiny_model_dir("qwen3_moe", seed=4, **SHAPE), out)
+        quantize_checkpoint(out, quant, seed=4)
+        return str(out)
+    return make
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_program_steps_give_the_modules_bits(tiny_model_dir, family):  # noqa: F811
+    # gpt-oss: sliding window and sinks on alternate layers, biased projections and
+    # experts, swiglu_oai, the router's weights rounded to bf16. Nine prompts of 2 to 10
+    # new tokens: the first steps (9 sequences) are the modules', from 7 down the program's.
+    path = str(tiny_model_dir(family, seed=3, **SHAPE))
+    ids = prompts(9)
+    params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0, logprobs=3)
+              for n in range(2, 11)]
+    got, graph, want = both(path, ids, params)
+    assert graph is not None
+    assert graph.runs >= 8 - 1          # the steps of 7 sequences down to 1
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int4"])
+def test_quantized_program_steps_give_the_modules_bits(quantized, quant):
+    # fp8: the native GEMV and experts on the checkpoint's bytes; int4: its q/k/v and o
+    # projections on torch's int4 GEMM as the program's Python steps between native runs.
+    ids = prompts(3)
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0, logprobs=2)
+    got, graph, want = both(quantized(quant), ids, params)
+    assert graph is not None and graph.runs >= 5
+    if quant == "int4":
+        assert any(callable(item) for item in graph.program.items)
+    assert_same(got, want)
+
+
+def test_models_the_calls_do_not_cover_run_the_modules(tiny_model_dir):  # noqa: F811
+    # qwen2_moe's shared expert: not in the program, so its engine builds none and says why
+    path = str(tiny_model_dir("qwen2_moe", seed=1, **SHAPE))
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
+    assert llm.runner.cpu_graph is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].token_ids) == 3
+    from freetoken.engine.cpu_graph import CpuDecodeGraph
+    graph, why = CpuDecodeGraph.build(llm.runner.model, llm.runner.kv, 32)
+    assert graph is None and "routed experts alone" in why
+    # and a float32 model has no 16-bit native calls to record
+    graph, why = CpuDecodeGraph.build(LLM(path, skip_tokenizer_init=True).runner.model, None, 32)
+    assert graph is None and "float32" in why
+
+
+def test_enforce_eager_is_a_flag_and_a_keyword(tiny_model_dir):  # noqa: F811
+    path = str(tiny_model_dir("qwen3_moe", seed=3, **SHAPE))
+    assert LLM(path, skip_tokenizer_init=True, dtype="bfloat16",
+               enforce_eager="true").runner.cpu_graph is None
+    assert from_flag_text("enforce_eager", "off") is False
+    with pytest.raises(ValueError, match="enforce_eager must be true or false"):
+        from_flag_text("enforce_eager", "sometimes")
+    from freetoken.cli import build_parser
+    args = build_parser().parse_args(["serve", path, "--enforce-eager"])
+    assert args.enforce_eager is True
+
+
+# ---- the program itself (cpu_program.py) ----------------------------------------------------
+
+def test_program_runs_its_ops_on_the_first_t_rows_with_the_calls_bits():
+    g = torch.Generator().manual_seed(0)
+    d, n, rows = 96, 40, 5
+    w = (torch.randn(n, d, generator=g) * d ** -0.5).bfloat16()
+    bias = torch.randn(n, generator=g)
+    norm_w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16()
+    lin, norm = kernel.bind_linear(w, bias), kernel.bind_rms_norm(norm_w, 1e-6)
+    x, res = torch.randn(rows, d, generator=g).bfloat16(), torch.randn(rows, d).bfloat16()
+    normed, out = torch.zeros(rows, d, dtype=torch.bfloat16), torch.zeros(rows, n,
+                                                                           dtype=torch.bfloat16)
+    res_in = res.clone()
+    prog = tk.CpuProgram(kernel, rows)
+    prog.add(norm.op(x, res, normed, res))          # the sum written over the residual
+    prog.add(lin.op(normed, out))
+    seen = []
+    prog.python(lambda t: seen.append(t))
+    for t in (3, 1):
+        res.copy_(res_in)
+        prog.run(t)
+        want_n, want_sum = norm(x[:t], res_in[:t])
+        assert torch.equal(normed[:t], want_n) and torch.equal(res[:t], want_sum)
+        assert torch.equal(out[:t], lin(want_n))
+        assert torch.equal(res[t:], res_in[t:])     # rows past t untouched
+    assert seen == [3, 1]
+    with pytest.raises(ValueError, match="1 to 5 rows"):
+        prog.run(6)
+    with pytest.raises(ValueError, match="1 to 5 rows"):
+        prog.run(0)
+
+
+def test_program_ops_refuse_buffers_of_the_wrong_shape_or_dtype():
+    w = torch.zeros(8, 64, dtype=torch.bfloat16)
+    lin = kernel.bind_linear(w)
+    with pytest.raises(ValueError, match=r"linear out must be \[4, 8\]"):
+        lin.op(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 9, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="linear out"):
+        lin.op(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(4, 8))
+    norm = kernel.bind_rms_norm(torch.ones(64, dtype=torch.bfloat16), 1e-6)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="apart from x"):
+        norm.op(x, None, x)
+    with pytest.raises(ValueError, match="top-k ids"):
+        kernel.topk_op(torch.zeros(4, 8), 2, True, torch.zeros(4, 2), torch.zeros(4, 2))
+
+
+def test_program_attention_refuses_a_table_outside_the_cache():
+    heads, bs, nb, rows = (4, 2, 32), 4, 3, 2
+    call = kernel.bind_attn(heads, None, None, 1e-6, False, None, None, 32 ** -0.5)
+    kc, vc = (torch.zeros(nb, bs, 2, 32, dtype=torch.bfloat16) for _ in range(2))
+    qkv = torch.randn(rows, 8 * 32).bfloat16()
+    cos_sin = torch.zeros(64, 32)
+    pos, slots = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+    lens, tables = torch.ones(rows, dtype=torch.int32), torch.zeros(rows, 2, dtype=torch.int32)
+    prog = tk.CpuProgram(kernel, rows)
+    prog.add(call.op(qkv, cos_sin, pos, kc, vc, slots, tables, lens,
+                     torch.zeros(rows, 128), torch.zeros(rows, 128, dtype=torch.bfloat16)))
+    prog.run(2)
+    tables[1, 0] = nb                               # a block past the cache
+    with pytest.raises(ValueError, match="outside the cache"):
+        prog.run(2)
+    prog.run(1)                                     # the first row alone is still in range

@@ -1,0 +1,84 @@
+/* A fixed list of the native kernels' calls replayed in one call (cpu_program.py builds it):
+ * a CPU engine's decode step is ~8 kernel calls a layer, and through ctypes and the Python
+ * around them each cost 10-15 us beyond its work (a 12-layer model of negligible weights
+ * stepped in 1.7 ms); from one list they cost the kernel's own fork and join.
+ *
+ * Each op holds its kernel's arguments in that kernel's order, less the ones the run gives:
+ * the row count t (tokens, or sequences for attention) and the thread count; ints in a[]
+ * (pointers as integers), floats in f[]. The buffers are the program's, sized for its most
+ * rows; cpu_program.py checks them when it builds an op, and t against them at each run.
+ * Returns 0, or the first failing kernel's code with its op's index in *failed.
+ */
+#include <stdint.h>
+
+int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
+              const float *scales, int64_t bn, int64_t bk, const float *bias, int64_t n,
+              int64_t k, void *out, int ofmt, int threads);
+int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_t hk,
+                   int64_t dh, const float *q_norm, const float *k_norm, float eps,
+                   const float *cos_sin, int64_t n_pos, int64_t r, int interleaved,
+                   const int64_t *pos, void *k_cache, void *v_cache, int cfmt, int64_t nb,
+                   int64_t bs, const int64_t *slots, const int32_t *tables, int64_t max_blocks,
+                   const int32_t *lens, int64_t window, const float *sinks, float scale,
+                   int threads, float *q_scratch, void *out);
+int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
+           const float *wts, int64_t t_count, int64_t k_count, const void *w13, const void *w2,
+           const float *s13, const float *s2, int64_t bn, int64_t bk, const float *b13,
+           const float *b2, int64_t slots, int64_t d, int64_t width, int fmt, int kind,
+           float alpha, float limit, int threads, float *act, float *acc, void *out, int ofmt);
+void ft_rms_norm(const uint16_t *x, const uint16_t *residual, const uint16_t *w, float eps,
+                 int64_t t_count, int64_t d, int fmt, uint16_t *out, uint16_t *res_out,
+                 int threads);
+void ft_topk_softmax(const void *logits, int fmt, int64_t t_count, int64_t e_count,
+                     int64_t k, int renorm, float *weights, int64_t *ids, int wfmt);
+
+enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4 };
+#define OP_INTS 32
+
+struct ft_op {
+    int64_t kind;
+    int64_t a[OP_INTS];
+    float f[4];
+};
+
+#define P(i) ((void *)(intptr_t)a[i])
+
+int ft_run(const struct ft_op *ops, int64_t n, int64_t t, int threads, int64_t *failed) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *a = ops[i].a;
+        const float *f = ops[i].f;
+        int rc = 0;
+        switch (ops[i].kind) {
+        case OP_RMS_NORM:   /* x, residual, w, d, fmt, out, res_out; eps */
+            ft_rms_norm(P(0), P(1), P(2), f[0], t, a[3], (int)a[4], P(5), P(6), threads);
+            break;
+        case OP_LINEAR:     /* x, xfmt, w, wfmt, scales, bn, bk, bias, n, k, out, ofmt */
+            rc = ft_linear(P(0), (int)a[1], t, P(2), (int)a[3], P(4), a[5], a[6], P(7), a[8],
+                           a[9], P(10), (int)a[11], threads);
+            break;
+        case OP_ATTN:       /* ft_attn_decode's order; eps, scale */
+            rc = ft_attn_decode(P(0), (int)a[1], t, a[2], a[3], a[4], P(5), P(6), f[0], P(7),
+                                a[8], a[9], (int)a[10], P(11), P(12), P(13), (int)a[14], a[15],
+                                a[16], P(17), P(18), a[19], P(20), a[21], P(22), f[1], threads,
+                                P(23), P(24));
+            break;
+        case OP_TOPK:       /* logits, fmt, e, k, renorm, weights, ids, wfmt */
+            ft_topk_softmax(P(0), (int)a[1], t, a[2], a[3], (int)a[4], P(5), P(6), (int)a[7]);
+            break;
+        case OP_MOE: {      /* ft_moe's order, scratch for act then acc; alpha, limit */
+            float *act = P(20), *acc = act + t * a[6] * a[17];     /* [t k, I], then [t, D] */
+            rc = ft_moe(P(0), (int)a[1], P(2), P(3), a[4], P(5), t, a[6], P(7), P(8), P(9),
+                        P(10), a[11], a[12], P(13), P(14), a[15], a[16], a[17], (int)a[18],
+                        (int)a[19], f[0], f[1], threads, act, acc, P(21), (int)a[22]);
+            break;
+        }
+        default:
+            rc = -4;
+        }
+        if (rc) {
+            *failed = i;
+            return rc;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,94 @@
+"""A fixed sequence of native kernel calls over fixed buffers, replayed by row count: the CPU
+engine's answer to a CUDA graph (cpu_program.c).
+
+A CPU engine's decode step makes ~8 native calls a layer. Each cost 10-15 us beyond its
+work: ctypes' conversion of ~25 arguments (1.4 us), the bound call's checks and its output
+tensors, and the modules' Python between them (a 12-layer model of negligible weights
+stepped in 1.7 ms). A program records each call once as an Op (the bound calls' `op`
+methods, cpu_native.py, check its buffers then), and a run hands the kernel library runs of
+them in one call each. Steps the library has no kernel for (torch's int4 GEMM: Int4Linear)
+run between those runs as Python callables of the row count, over the same buffers.
+
+Every buffer is the program's, sized for `rows` rows; a run takes t <= rows of them, the
+first t rows of each (the kernels' outputs are a function of their own rows only, so the
+same bits as the calls made one by one on [t, ..] tensors).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+from triton_kernels.cpu_native import ATTN_RANGE, OP_ATTN, NativeKernels, Op
+
+_INTS = 32          # cpu_program.c's OP_INTS
+
+
+class _COp(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("a", ctypes.c_int64 * _INTS),
+                ("f", ctypes.c_float * 4)]
+
+
+class CpuProgram:
+    """Ops and Python steps in order (each op holds the tensors it points into)."""
+
+    def __init__(self, kernel: NativeKernels, rows: int):
+        self.kernel, self.rows = kernel, rows
+        self.items: list[Op | Callable[[int], None]] = []
+        self._runs: list | None = None
+
+    def add(self, op: Op) -> None:
+        if len(op.ints) > _INTS or len(op.floats) > 4:
+            raise ValueError(f"native program: an op of {len(op.ints)} ints and "
+                             f"{len(op.floats)} floats (at most {_INTS} and 4)")
+        self.items.append(op)
+        self._runs = None
+
+    def python(self, step: Callable[[int], None]) -> None:
+        """A step the library has no kernel for: called with the run's row count."""
+        self.items.append(step)
+        self._runs = None
+
+    def _compile(self) -> list:
+        """Consecutive ops as one ctypes array each (with their items, for errors)."""
+        runs, ops = [], []
+        for item in self.items + [None]:
+            if isinstance(item, Op):
+                ops.append(item)
+                continue
+            if ops:
+                arr = (_COp * len(ops))()
+                for c, op in zip(arr, ops):
+                    c.kind = op.kind
+                    c.a[:len(op.ints)] = op.ints
+                    c.f[:len(op.floats)] = op.floats
+                runs.append((arr, ops))
+                ops = []
+            if item is not None:
+                runs.append(item)
+        return runs
+
+    def run(self, t: int) -> None:
+        if not 1 <= t <= self.rows:
+            raise ValueError(f"native program: 1 to {self.rows} rows, got {t}")
+        if self._runs is None:
+            self._runs = self._compile()
+        threads = torch.get_num_threads()
+        failed = ctypes.c_int64(-1)
+        for run in self._runs:
+            if callable(run):
+                run(t)
+                continue
+            arr, ops = run
+            rc = self.kernel.run(ctypes.addressof(arr), len(ops), t, threads,
+                                 ctypes.byref(failed))
+            if rc:
+                op = ops[failed.value]
+                if rc == -2 and op.kind == OP_ATTN:
+                    raise ValueError(ATTN_RANGE)
+                if rc == -2:
+                    raise ValueError("native program: an expert id outside its bank")
+                raise MemoryError(f"native program: op {failed.value} (kind {op.kind}) "
+                                  f"failed ({rc}): out of host memory for its scratch")
