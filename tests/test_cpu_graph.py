@@ -112,6 +112,31 @@ def test_enforce_eager_is_a_flag_and_a_keyword(tiny_model_dir):  # noqa: F811
     assert args.enforce_eager is True
 
 
+def test_ft_serve_streams_through_the_program_and_reports_it(tiny_model_dir):  # noqa: F811
+    # A bf16 `ft serve` streams (openai SDK) what its --enforce-eager twin streams, and
+    # /v1/instrumentation says which ran the decode steps.
+    import openai
+
+    from serving import ServerProcess
+    path = tiny_model_dir("qwen3_moe", seed=5, name="tiny-graph", **SHAPE)
+    texts, reports = [], []
+    for extra in ((), ("--enforce-eager",)):
+        with ServerProcess(path, "--dtype", "bfloat16", *extra) as server:
+            client = openai.OpenAI(base_url=server.base + "/v1", api_key="none")
+            stream = client.chat.completions.create(
+                model="tiny-graph", messages=[{"role": "user", "content": "The sea is"}],
+                max_tokens=10, temperature=0, stream=True,
+                extra_body={"min_tokens": 10})
+            texts.append("".join(c.choices[0].delta.content or "" for c in stream
+                                 if c.choices))
+            status, body = server.request("GET", "/v1/instrumentation")
+            assert status == 200
+            reports.append(body["kernels"]["cpu_decode_program"])
+    assert texts[0] and texts[0] == texts[1]
+    assert reports[0]["enabled"] and reports[0]["rows"] == ROWS and reports[0]["steps"] >= 9
+    assert reports[1] == {"enabled": False, "reason": "enforce_eager"}
+
+
 # ---- the program itself (cpu_program.py) ----------------------------------------------------
 
 def test_program_runs_its_ops_on_the_first_t_rows_with_the_calls_bits():

@@ -132,13 +132,15 @@ class ModelRunner:
             log.info("state slots: %d (%.1f MiB, %d bytes per request across %d linear-attention "
                      "layers)", num_slots, num_slots * per_slot / 2**20, per_slot,
                      sum(1 for s in self.cache_specs.values() if hasattr(s, "allocate_slots")))
-        self.cpu_graph = None
-        if self.device.type == "cpu" and not config.enforce_eager and self.moe is None:
-            self.cpu_graph, why = CpuDecodeGraph.build(
-                self.model, self.kv, -(-self.max_model_len // config.block_size))
+        self.cpu_graph, self.cpu_graph_off = None, "not a CPU engine"
+        if self.device.type == "cpu":
+            self.cpu_graph, self.cpu_graph_off = (
+                (None, "enforce_eager") if config.enforce_eager
+                else CpuDecodeGraph.build(self.model, self.kv,
+                                          -(-self.max_model_len // config.block_size)))
             log.info("CPU: decode steps of up to %d sequences replayed as one native program"
                      if self.cpu_graph else "CPU: decode steps run the modules (%s)",
-                     ROWS if self.cpu_graph else why)
+                     ROWS if self.cpu_graph else self.cpu_graph_off)
 
     def _plan_moe(self, model, blocks) -> MoePlan:
         """Resolve EngineConfig.moe against the meta-built model and the free memory."""
@@ -286,6 +288,13 @@ class ModelRunner:
                     f"{self.max_model_len}; lower max_model_len or give the cache more memory")
             tokens = self.max_model_len
         return (tokens + cfg.block_size - 1) // cfg.block_size
+
+    def cpu_graph_report(self) -> dict:
+        """The CPU engine's decode program (engine/cpu_graph.py): its rows and the steps it
+        ran, or why there is none."""
+        if self.cpu_graph is None:
+            return {"enabled": False, "reason": self.cpu_graph_off}
+        return {"enabled": True, "rows": ROWS, "steps": self.cpu_graph.runs}
 
     @property
     def allocator(self):
