@@ -151,10 +151,10 @@ def test_program_runs_its_ops_on_the_first_t_rows_with_the_calls_bits():
                                                                            dtype=torch.bfloat16)
     res_in = res.clone()
     prog = tk.CpuProgram(kernel, rows)
-    prog.add(norm.op(x, res, normed, res))          # the sum written over the residual
-    prog.add(lin.op(normed, out))
+    prog.add(norm.op(x, res, normed, res), "norm")  # the sum written over the residual
+    prog.add(lin.op(normed, out), "linear")
     seen = []
-    prog.python(lambda t: seen.append(t))
+    prog.python(lambda t: seen.append(t), "a Python step")
     for t in (3, 1):
         res.copy_(res_in)
         prog.run(t)
@@ -167,6 +167,9 @@ def test_program_runs_its_ops_on_the_first_t_rows_with_the_calls_bits():
         prog.run(6)
     with pytest.raises(ValueError, match="1 to 5 rows"):
         prog.run(0)
+    # an op over fewer rows than the program runs is refused when it is added
+    with pytest.raises(ValueError, match="small's buffers hold 4 rows, the program runs up to 5"):
+        prog.add(lin.op(normed[:4], out[:4]), "small")
 
 
 def test_program_ops_refuse_buffers_of_the_wrong_shape_or_dtype():
@@ -193,10 +196,12 @@ def test_program_attention_refuses_a_table_outside_the_cache():
     pos, slots = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
     lens, tables = torch.ones(rows, dtype=torch.int32), torch.zeros(rows, 2, dtype=torch.int32)
     prog = tk.CpuProgram(kernel, rows)
+    # (the scratch and output made inline: the op holds them)
     prog.add(call.op(qkv, cos_sin, pos, kc, vc, slots, tables, lens,
-                     torch.zeros(rows, 128), torch.zeros(rows, 128, dtype=torch.bfloat16)))
+                     torch.zeros(rows, 128), torch.zeros(rows, 128, dtype=torch.bfloat16)),
+             "layer 7's attention")
     prog.run(2)
     tables[1, 0] = nb                               # a block past the cache
-    with pytest.raises(ValueError, match="outside the cache"):
+    with pytest.raises(ValueError, match="layer 7's attention: .*outside the cache"):
         prog.run(2)
     prog.run(1)                                     # the first row alone is still in range

@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernels.h"
+
 #if defined(__AVX512F__)
 #define VW 16
 #else

@@ -8,6 +8,8 @@ read once for the tokens routed to its expert. The others are a 16-bit CPU engin
 step without torch's per-op dispatch (a few us an op, ~40 ops a layer): a dense projection of
 a few rows from the 16-bit weight as it is (cpu_linear.CpuLinear), an attention layer's step
 after its q/k/v product (cpu_attention.CpuDecodeAttention), RMSNorm, the router's top-k.
+Each bound call also gives itself as an `Op` over fixed buffers, for a program that replays
+a list of them in one call (cpu_program.py, cpu_program.c: a CPU engine's decode step).
 
 Like Triton's launcher stubs, the kernel is compiled on the machine that runs it, by the C
 compiler there (cc -O3 -march=native -fopenmp: this CPU's vector width, AVX2 or AVX-512),
@@ -41,7 +43,7 @@ _HERE = Path(__file__).parent
 # compiled together into one library
 _SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c",
             "cpu_program.c")
-_HEADERS = ("cpu_dot.h",)
+_HEADERS = ("cpu_dot.h", "cpu_kernels.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
@@ -287,7 +289,7 @@ class NativeKernels:
         if not 1 <= top_k <= e or round_to not in (None, *_FORMATS):
             raise ValueError(f"native top-k: 1 <= k <= {e} and a 16-bit rounding expected, "
                              f"got k={top_k}, {round_to}")
-        return Op(OP_TOPK, (logits.data_ptr(), _IO_FORMATS[logits.dtype], e, top_k,
+        return Op(OP_TOPK, r, (logits.data_ptr(), _IO_FORMATS[logits.dtype], e, top_k,
                             int(renormalize), weights.data_ptr(), ids.data_ptr(),
                             2 if round_to is None else _FORMATS[round_to]), (),
                   (logits, weights, ids))
@@ -301,8 +303,10 @@ OP_RMS_NORM, OP_LINEAR, OP_ATTN, OP_TOPK, OP_MOE = range(5)
 class Op:
     """One kernel call of a program (cpu_program.c): its arguments in the kernel's order,
     less the row count and the threads the run gives; pointers as integers, into `keep`'s
-    tensors (held as long as the op is) and the bound call's."""
+    tensors (held as long as the op is) and the bound call's; rows: what its buffers hold
+    (a run takes at most that many)."""
     kind: int
+    rows: int
     ints: tuple[int, ...]
     floats: tuple[float, ...]
     keep: tuple = ()
@@ -358,8 +362,8 @@ class LinearCall:
         _rows("linear x", x, x.shape[0], self.k, tuple(_IO_FORMATS))
         _rows("linear out", out, x.shape[0], self.n, (x.dtype,))
         fmt = _IO_FORMATS[x.dtype]
-        return Op(OP_LINEAR, (x.data_ptr(), fmt, *self.args, out.data_ptr(), fmt), (),
-                  (self, x, out))
+        return Op(OP_LINEAR, x.shape[0], (x.data_ptr(), fmt, *self.args, out.data_ptr(), fmt),
+                  (), (self, x, out))
 
 
 class MoeCall:
@@ -420,7 +424,7 @@ class MoeCall:
             raise ValueError(f"native program: MoE scratch of {r * (k * self.width + self.d)} "
                              f"float32 expected, got {scratch.numel()} {scratch.dtype}")
         fmt = _IO_FORMATS[x.dtype]
-        return Op(OP_MOE, (x.data_ptr(), fmt, topk_ids.data_ptr(), 0, 0,
+        return Op(OP_MOE, r, (x.data_ptr(), fmt, topk_ids.data_ptr(), 0, 0,
                            topk_weights.data_ptr(), k, *self.weights, ACTIVATIONS[activation],
                            scratch.data_ptr(), out.data_ptr(), fmt), (alpha, limit),
                   (self, x, topk_weights, topk_ids, scratch, out))
@@ -517,7 +521,7 @@ class AttnCall:
             raise ValueError(f"native program: a float32 rope table [P, <= {dh}] expected, "
                              f"got {tuple(cos_sin.shape)} {cos_sin.dtype}")
         nb, bs = k_cache.shape[:2]
-        return Op(OP_ATTN, (
+        return Op(OP_ATTN, r, (
             qkv.data_ptr(), _IO_FORMATS[qkv.dtype], hq, hk, dh, self.ptrs[0], self.ptrs[1],
             cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], self.interleaved,
             positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -560,10 +564,10 @@ class RmsNormCall:
         for what, t in (("x", x), ("residual", residual), ("out", out), ("sum", res_out)):
             if t is not None:
                 _rows(f"rms_norm {what}", t, r, self.d, (self.weight.dtype,))
-        if (residual is None) != (res_out is None) or out is x:
+        if (residual is None) != (res_out is None) or out.data_ptr() == x.data_ptr():
             raise ValueError("native program: rms_norm takes a residual with its sum's "
                              "buffer, and writes out apart from x")
-        return Op(OP_RMS_NORM, (x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+        return Op(OP_RMS_NORM, r, (x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                                 self.weight.data_ptr(), self.d, self.fmt, out.data_ptr(),
                                 0 if res_out is None else res_out.data_ptr()), (self.eps,),
                   (self, x, residual, out, res_out))

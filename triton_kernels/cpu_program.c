@@ -9,28 +9,7 @@
  * rows; cpu_program.py checks them when it builds an op, and t against them at each run.
  * Returns 0, or the first failing kernel's code with its op's index in *failed.
  */
-#include <stdint.h>
-
-int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
-              const float *scales, int64_t bn, int64_t bk, const float *bias, int64_t n,
-              int64_t k, void *out, int ofmt, int threads);
-int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_t hk,
-                   int64_t dh, const float *q_norm, const float *k_norm, float eps,
-                   const float *cos_sin, int64_t n_pos, int64_t r, int interleaved,
-                   const int64_t *pos, void *k_cache, void *v_cache, int cfmt, int64_t nb,
-                   int64_t bs, const int64_t *slots, const int32_t *tables, int64_t max_blocks,
-                   const int32_t *lens, int64_t window, const float *sinks, float scale,
-                   int threads, float *q_scratch, void *out);
-int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
-           const float *wts, int64_t t_count, int64_t k_count, const void *w13, const void *w2,
-           const float *s13, const float *s2, int64_t bn, int64_t bk, const float *b13,
-           const float *b2, int64_t slots, int64_t d, int64_t width, int fmt, int kind,
-           float alpha, float limit, int threads, float *act, float *acc, void *out, int ofmt);
-void ft_rms_norm(const uint16_t *x, const uint16_t *residual, const uint16_t *w, float eps,
-                 int64_t t_count, int64_t d, int fmt, uint16_t *out, uint16_t *res_out,
-                 int threads);
-void ft_topk_softmax(const void *logits, int fmt, int64_t t_count, int64_t e_count,
-                     int64_t k, int renorm, float *weights, int64_t *ids, int wfmt);
+#include "cpu_kernels.h"
 
 enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4 };
 #define OP_INTS 32
@@ -43,7 +22,8 @@ struct ft_op {
 
 #define P(i) ((void *)(intptr_t)a[i])
 
-int ft_run(const struct ft_op *ops, int64_t n, int64_t t, int threads, int64_t *failed) {
+int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed) {
+    const struct ft_op *ops = list;
     for (int64_t i = 0; i < n; i++) {
         const int64_t *a = ops[i].a;
         const float *f = ops[i].f;

@@ -32,35 +32,42 @@ class _COp(ctypes.Structure):
 
 
 class CpuProgram:
-    """Ops and Python steps in order (each op holds the tensors it points into)."""
+    """Ops and Python steps in order (each op holds the tensors it points into), each with a
+    label for its errors ("layer 3's attention")."""
 
     def __init__(self, kernel: NativeKernels, rows: int):
         self.kernel, self.rows = kernel, rows
         self.items: list[Op | Callable[[int], None]] = []
+        self.labels: list[str] = []
         self._runs: list | None = None
 
-    def add(self, op: Op) -> None:
+    def add(self, op: Op, label: str) -> None:
+        if op.rows < self.rows:         # a run of self.rows would pass its buffers' ends
+            raise ValueError(f"native program: {label}'s buffers hold {op.rows} rows, the "
+                             f"program runs up to {self.rows}")
         if len(op.ints) > _INTS or len(op.floats) > 4:
-            raise ValueError(f"native program: an op of {len(op.ints)} ints and "
+            raise ValueError(f"native program: {label} has {len(op.ints)} ints and "
                              f"{len(op.floats)} floats (at most {_INTS} and 4)")
         self.items.append(op)
+        self.labels.append(label)
         self._runs = None
 
-    def python(self, step: Callable[[int], None]) -> None:
+    def python(self, step: Callable[[int], None], label: str) -> None:
         """A step the library has no kernel for: called with the run's row count."""
         self.items.append(step)
+        self.labels.append(label)
         self._runs = None
 
-    def _compile(self) -> list:
-        """Consecutive ops as one ctypes array each (with their items, for errors)."""
+    def compile(self) -> None:
+        """Consecutive ops as one ctypes array each (with their labels, for errors)."""
         runs, ops = [], []
-        for item in self.items + [None]:
+        for item, label in zip(self.items + [None], self.labels + [""]):
             if isinstance(item, Op):
-                ops.append(item)
+                ops.append((item, label))
                 continue
             if ops:
                 arr = (_COp * len(ops))()
-                for c, op in zip(arr, ops):
+                for c, (op, _) in zip(arr, ops):
                     c.kind = op.kind
                     c.a[:len(op.ints)] = op.ints
                     c.f[:len(op.floats)] = op.floats
@@ -68,13 +75,13 @@ class CpuProgram:
                 ops = []
             if item is not None:
                 runs.append(item)
-        return runs
+        self._runs = runs
 
     def run(self, t: int) -> None:
         if not 1 <= t <= self.rows:
             raise ValueError(f"native program: 1 to {self.rows} rows, got {t}")
         if self._runs is None:
-            self._runs = self._compile()
+            self.compile()
         threads = torch.get_num_threads()
         failed = ctypes.c_int64(-1)
         for run in self._runs:
@@ -85,10 +92,12 @@ class CpuProgram:
             rc = self.kernel.run(ctypes.addressof(arr), len(ops), t, threads,
                                  ctypes.byref(failed))
             if rc:
-                op = ops[failed.value]
-                if rc == -2 and op.kind == OP_ATTN:
-                    raise ValueError(ATTN_RANGE)
+                op, label = ops[failed.value]
                 if rc == -2:
-                    raise ValueError("native program: an expert id outside its bank")
-                raise MemoryError(f"native program: op {failed.value} (kind {op.kind}) "
-                                  f"failed ({rc}): out of host memory for its scratch")
+                    raise ValueError(f"{label}: " + (ATTN_RANGE if op.kind == OP_ATTN else
+                                                     "an expert id outside its bank"))
+                if rc == -3:
+                    raise ValueError(f"{label}: int4 groups must be a power of two from 32")
+                if rc == -4:
+                    raise ValueError(f"{label}: op kind {op.kind} is not one the library has")
+                raise MemoryError(f"{label}: out of host memory for its scratch ({rc})")

@@ -6,7 +6,8 @@ calls) with Python between them; each call costs 10-15 us beyond its work, ~1.5 
 (triton_kernels/cpu_program.py) over buffers of ROWS rows, and each pure-decode batch of up
 to ROWS sequences replays them: the embedding rows and the batch's positions, slots, lengths
 and block tables copied in, one library call per run of native ops, the logits copied out.
-Same kernels, same arguments, same order: the same bits as the modules' step.
+Same kernels, same arguments, same order: the same bits as the modules' step
+(ROWS says why only up to it).
 
 Built where every layer is one the native calls cover (else `build` says why not, and the
 modules run every step):
@@ -36,9 +37,12 @@ from freetoken.models.layers.attention import Attention
 from freetoken.models.layers.decoder import DecoderLayer, MoeForCausalLM
 from freetoken.models.layers.linear import Linear, QuantLinear
 from freetoken.models.layers.moe import SparseMoeBlock
-from triton_kernels.cpu_linear import NATIVE_ROWS
+from triton_kernels.cpu_linear import GEMM_ROWS, NATIVE_ROWS
 
-ROWS = NATIVE_ROWS - 1          # from NATIVE_ROWS rows the projections take the GEMMs
+# From NATIVE_ROWS rows the projections take the GEMMs, and from GEMM_ROWS rows an expert a
+# MoE call's experts take AMX's products (fused_moe._amx_prefill): below both, the modules'
+# step is the native calls alone, which is what the program records.
+ROWS = min(NATIVE_ROWS, GEMM_ROWS) - 1
 
 
 class NotCovered(Exception):
@@ -73,22 +77,26 @@ class CpuDecodeGraph:
                                   layer.post_attention_layernorm.native)
             _need(norm_in is not None and norm_post is not None, f"layer {i}'s norms")
             prog.add(norm_in.op(self.res, None, self.n) if i == 0
-                     else norm_in.op(self.h, self.res, self.n, self.res))
+                     else norm_in.op(self.h, self.res, self.n, self.res),
+                     f"layer {i}'s input norm")
             self._attention(layer.attn_module, kv.layer(i), i)          # n -> h
-            prog.add(norm_post.op(self.h, self.res, self.n, self.res))
+            prog.add(norm_post.op(self.h, self.res, self.n, self.res),
+                     f"layer {i}'s post-attention norm")
             self._moe(layer.mlp_module, i)                                # n -> h
         _need(inner.norm.native is not None, "the final norm")
-        prog.add(inner.norm.native.op(self.h, self.res, self.n, self.res))
+        prog.add(inner.norm.native.op(self.h, self.res, self.n, self.res), "the final norm")
         self.logits = torch.zeros(r, model.config.vocab_size, dtype=dtype)
         self._linear(model.lm_head, self.n, self.logits, "lm_head")
+        prog.compile()
         self.runs = 0                               # steps replayed (instrumentation, tests)
 
     @classmethod
     def build(cls, model, kv, max_blocks: int) -> tuple[CpuDecodeGraph | None, str]:
-        """The graph, or None and what the native calls do not cover."""
+        """The graph, or None and what the native calls do not cover (or which of their
+        checks a layer failed: the modules run it as before)."""
         try:
             return cls(model, kv, max_blocks), ""
-        except NotCovered as exc:
+        except (NotCovered, ValueError) as exc:
             return None, str(exc)
 
     def _buf(self, name: str, width: int, dtype=None) -> torch.Tensor:
@@ -102,10 +110,10 @@ class CpuDecodeGraph:
         """x [R, K] -> out [R, N] through a projection's CPU product for decode rows."""
         packed = proj.packed if isinstance(proj, (Linear, QuantLinear)) else proj
         if isinstance(packed, tk.CpuLinear) and packed.gemv is not None:
-            self.program.add(packed.gemv.op(x, out))
+            self.program.add(packed.gemv.op(x, out), what)
         elif isinstance(packed, tk.Int4Linear):
             # torch's int4 GEMM (no native kernel beats it at one row): a Python step
-            self.program.python(lambda t: out[:t].copy_(packed(x[:t])))
+            self.program.python(lambda t: out[:t].copy_(packed(x[:t])), what)
         else:
             raise NotCovered(f"{what} has no native GEMV or int4 GEMM")
 
@@ -122,7 +130,8 @@ class CpuDecodeGraph:
         self._linear(attn.qkv_packed, self.n, qkv, f"layer {i}'s q/k/v")
         self.program.add(attn.cpu_decode.call.op(qkv, attn.rope.cos_sin, self.positions,
                                                  k_cache, v_cache, self.slots, self.tables,
-                                                 self.lens, scratch, o))
+                                                 self.lens, scratch, o),
+                         f"layer {i}'s attention")
         self._linear(attn.o_proj, o, self.h, f"layer {i}'s o_proj")
 
     def _moe(self, mlp, i: int) -> None:
@@ -145,22 +154,25 @@ class CpuDecodeGraph:
         scratch = self._buf("moe32", c.top_k * call.width + call.d, torch.float32)
         self._linear(gate.packed, self.n, logits, f"layer {i}'s router")
         self.program.add(gate.native.topk_op(logits, c.top_k, c.renormalize, weights, ids,
-                                             self.dtype if c.weights_in_model_dtype else None))
+                                             self.dtype if c.weights_in_model_dtype else None),
+                         f"layer {i}'s top-k")
         self.program.add(call.op(self.n, weights, ids, scratch, self.h, act.kind, act.alpha,
-                                 act.limit))
+                                 act.limit), f"layer {i}'s experts")
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """float32 logits [N, V] for batch.logits_indices, or None where the batch is not a
         pure decode of at most ROWS sequences (the modules run it)."""
         t = batch.num_tokens
         m = batch.block_tables.shape[1]
-        if batch.max_seqlen_q != 1 or not 1 <= t <= ROWS or m > self.tables.shape[1]:
+        if (batch.max_seqlen_q != 1 or batch.num_seqs != t or not 1 <= t <= ROWS
+                or m > self.tables.shape[1]):
             return None
         torch.index_select(self.embed, 0, batch.input_ids, out=self.res[:t])
         self.positions[:t] = batch.positions
         self.slots[:t] = batch.slot_mapping
         self.lens[:t] = batch.seq_lens
         self.tables[:t, :m] = batch.block_tables
+        self.tables[:t, m:] = -1        # no block of an earlier batch: the C checks refuse -1
         self.program.run(t)
         self.runs += 1
         return self.logits[:t][batch.logits_indices].float()

@@ -20,11 +20,11 @@ import torch
 import triton_kernels
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.config import EngineConfig
+from freetoken.engine.cpu_graph import ROWS, CpuDecodeGraph
 from freetoken.engine.cache_spec import bytes_per_slot, bytes_per_token
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
                                      resolve_model_path)
-from freetoken.engine.cpu_graph import ROWS, CpuDecodeGraph
 from freetoken.models.layers.linear import pack_for_cpu
 from freetoken.models.quant.apply import describe_parts
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
