@@ -7,6 +7,7 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py --quick                           # a small shape, seconds
     python bench/cpu.py --quant fp8,nvfp4,int4 --llama-quant q8_0   # + quantized arms
     python bench/cpu.py --unpacked                        # + FreeToken without CPU packing
+    python bench/cpu.py --eager                           # + FreeToken without its decode program
 
 The checkpoint (tools/make_tiny_model.py's generator, random weights: hidden 1024, 12 layers,
 16/4 heads of 64, 64 experts, top-8, expert width 256, vocab 32768) is built on the spot.
@@ -281,6 +282,9 @@ def main(argv=None) -> int:
                    "through llama-quantize beside llama-bench)")
     p.add_argument("--unpacked", action="store_true", help="add FreeToken arms without the "
                    "CPU packing (fp16 projections, INT4 GEMM): one beside each packed arm")
+    p.add_argument("--eager", action="store_true", help="add FreeToken arms with enforce_eager "
+                   "(the modules at every decode step, not the native decode program): one "
+                   "beside each arm")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
@@ -303,6 +307,10 @@ def main(argv=None) -> int:
         if args.unpacked:
             arms.append(unpacked_arm(model_dir, args.dtype, shape["vocab_size"]))
             actives["freetoken-unpacked"] = active
+        if args.eager:
+            arms.append(FreeTokenArm(model_dir, args.dtype, shape["vocab_size"],
+                                     name="freetoken-eager", enforce_eager=True))
+            actives["freetoken-eager"] = active
         for q in quants:
             from freetoken.models.quant.encode import quantize_checkpoint
             qdir = Path(tmp) / f"model-{q}"
@@ -314,6 +322,10 @@ def main(argv=None) -> int:
                 arms.append(unpacked_arm(qdir, args.dtype, shape["vocab_size"],
                                          name=f"freetoken-{q}-unpacked"))
                 actives[f"freetoken-{q}-unpacked"] = actives[f"freetoken-{q}"]
+            if args.eager:
+                arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"],
+                                         name=f"freetoken-{q}-eager", enforce_eager=True))
+                actives[f"freetoken-{q}-eager"] = actives[f"freetoken-{q}"]
         if not args.skip_transformers:
             arms.append(TransformersArm(model_dir, args.dtype, shape["vocab_size"]))
         figures = [f"decode_b{b}" for b in BATCHES] + ["prefill"]
@@ -370,6 +382,8 @@ def main(argv=None) -> int:
     pairs = [("freetoken", other) for other in res if other != "freetoken"]
     pairs += [(f"freetoken-{q}", f"llama.cpp-{NEAREST_GGUF[q]}") for q in quants
               if q in NEAREST_GGUF and f"freetoken-{q}" in res and f"llama.cpp-{NEAREST_GGUF[q]}" in res]
+    pairs += [(f"freetoken-{q}", f"freetoken-{q}-eager") for q in quants
+              if f"freetoken-{q}-eager" in res]
     labels = [f"ft/{other}" if mine == "freetoken" else f"{mine}/{other}" for mine, other in pairs]
     width = max([width] + [len(label) + 2 for label in labels])
     for (mine, other), label in zip(pairs, labels):
