@@ -113,6 +113,35 @@ def test_packed_experts_equal_the_reference(tokens):
     assert empty.shape == (0, d)
 
 
+@pytest.mark.skipif(tk.native_kernels() is None, reason="no native kernels: no int4 decode")
+@pytest.mark.parametrize("amx", [True, False])
+def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx):
+    # A prefill chunk's rows (GEMM_ROWS and more) on an AMX CPU: the checkpoint's nibbles
+    # decoded to bf16 (the reference's weight, one rounding) and AMX's bf16 product, exactly
+    # F.linear on that weight; fewer rows, or no AMX: the int4 GEMM's product.
+    from triton_kernels.cpu_linear import GEMM_ROWS, QuantRows
+    torch.manual_seed(5)
+    fmt = QuantFormat("int4", group=32, symmetric=False)
+    n, k = 48, 256
+    w = random_weight(fmt, (), n, k)
+    bias = torch.randn(n).bfloat16()
+    rows = QuantRows(w["q"], tk.int4_group_pairs(w["s"], w["z"]), (1, 32))
+    lin = tk.Int4Linear(fmt, w, bias, prefill=rows, amx=amx)
+    assert (lin.prefill is not None) == amx
+    assert lin.nbytes == lin.packed.nbytes + (rows.s.numel() * 4 if amx else 0)
+    decoded = dequantize_reference(fmt, w, torch.float32).bfloat16()
+    for t in (1, GEMM_ROWS - 1, GEMM_ROWS, 40):
+        x = torch.randn(t, k).bfloat16()
+        got = lin(x)
+        if amx and t >= GEMM_ROWS:
+            assert torch.equal(lin.decoded(), decoded)
+            assert torch.equal(got, torch.nn.functional.linear(x, decoded) + bias)
+        else:
+            assert torch.equal(got, lin.packed.linear(x) + bias)
+    with pytest.raises(ValueError, match="prefill rows"):
+        tk.Int4Linear(fmt, w, prefill=QuantRows(w["q"][:8], rows.s[:8], (1, 32)), amx=True)
+
+
 @pytest.fixture(scope="module")
 def int4_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("int4") / "m"

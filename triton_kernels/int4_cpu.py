@@ -22,7 +22,10 @@ fused_moe_int4_cpu runs the CPU experts from two banks of them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from triton_kernels.cpu_linear import GEMM_ROWS, QuantRows
+from triton_kernels.cpu_native import has_amx_bf16, native_kernels
 from triton_kernels.dequant import QuantFormat, weight_shape
 from triton_kernels.fused_moe import SILU, MoeActivation, moe_packed_banks
 
@@ -71,23 +74,53 @@ class Int4Packed:
 
 
 class Int4Linear:
-    """A projection [N, K] through the int4 GEMM at every row count: x [.., K] bf16 ->
-    [.., N] bf16 (+ bias, in x's dtype, as QuantLinear adds it). (The native GEMV on the
-    checkpoint's nibbles ran 1.5x slower at one row: [1536, 1024] g32, 0.075 ms against
-    0.048.) own: a copy made for this product (a fused q/k/v), whose bytes count."""
+    """A projection [N, K] through the int4 GEMM: x [.., K] bf16 -> [.., N] bf16 (+ bias, in
+    x's dtype, as QuantLinear adds it). (The native GEMV on the checkpoint's nibbles ran 1.5x
+    slower at one row: [1536, 1024] g32, 0.075 ms against 0.048.)
+    prefill: the same weight as the native kernels read it (cpu_linear.QuantRows: the
+    checkpoint's nibbles and float32 (scale, -zero * scale) pairs). On a CPU with AMX-BF16
+    (amx; default: this one's), a call of GEMM_ROWS rows and more (a prefill chunk) decodes
+    it to bf16 (ft_int4_decode: the reference's values, rounded once) and runs AMX's bf16
+    product: at 512 rows of [1536, 1024] g32, 1.0 ms against the int4 GEMM's 9.6. Its
+    own bytes (a fused copy, the pairs) count in nbytes."""
 
-    def __init__(self, fmt: QuantFormat, w: dict, bias: torch.Tensor | None = None):
+    def __init__(self, fmt: QuantFormat, w: dict, bias: torch.Tensor | None = None,
+                 prefill: QuantRows | None = None, amx: bool | None = None):
         self.packed = Int4Packed(fmt, w)
         if self.packed.experts is not None:
             raise ValueError("Int4Linear: one weight [N, K], not a bank")
         self.out_features, self.in_features = self.packed.n, self.packed.k
         self.bias = None if bias is None else bias.detach()
-        self.nbytes = self.packed.nbytes
+        kernel = native_kernels()
+        amx = has_amx_bf16() if amx is None else amx
+        self.prefill = prefill if (prefill is not None and amx and kernel is not None) else None
+        if self.prefill is not None:
+            q, gs, (bn, group) = self.prefill.q, self.prefill.s, self.prefill.block
+            if not (q.shape == (self.out_features, self.in_features // 2) and bn == 1
+                    and gs.shape == (self.out_features, self.in_features // group, 2)):
+                raise ValueError(f"Int4Linear: prefill rows [N, K/2] with pairs [N, K/G, 2] "
+                                 f"for [{self.out_features}, {self.in_features}] expected, got "
+                                 f"{tuple(q.shape)}, {tuple(gs.shape)}")
+            self.kernel = kernel
+        extra = 0 if self.prefill is None else (
+            self.prefill.nbytes if self.prefill.own else self.prefill.s.numel() * 4)
+        self.nbytes = self.packed.nbytes + extra
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.packed.linear(x.reshape(-1, self.in_features))
+        rows = x.reshape(-1, self.in_features)
+        if (self.prefill is not None and rows.shape[0] >= GEMM_ROWS
+                and rows.dtype == torch.bfloat16):
+            y = F.linear(rows, self.decoded())
+        else:
+            y = self.packed.linear(rows)
         y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def decoded(self) -> torch.Tensor:
+        """The weight [N, K] in bf16, decoded from the prefill rows (a call's, not kept)."""
+        rows = self.prefill
+        return self.kernel.int4_decode(rows.q[None], rows.s[None], rows.block[1],
+                                       torch.zeros(1, dtype=torch.int64))[0]
 
 
 def _nibbles(q: torch.Tensor) -> torch.Tensor:
