@@ -116,10 +116,11 @@ def test_packed_experts_equal_the_reference(tokens):
 @pytest.mark.skipif(tk.native_kernels() is None, reason="no native kernels: no int4 decode")
 @pytest.mark.parametrize("amx", [True, False])
 def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx):
-    # A prefill chunk's rows (GEMM_ROWS and more) on an AMX CPU: the checkpoint's nibbles
+    # A prefill chunk's rows (PREFILL_ROWS and more) on an AMX CPU: the checkpoint's nibbles
     # decoded to bf16 (the reference's weight, one rounding) and AMX's bf16 product, exactly
     # F.linear on that weight; fewer rows, or no AMX: the int4 GEMM's product.
-    from triton_kernels.cpu_linear import GEMM_ROWS, QuantRows
+    from triton_kernels.cpu_linear import QuantRows
+    from triton_kernels.int4_cpu import PREFILL_ROWS
     torch.manual_seed(5)
     fmt = QuantFormat("int4", group=32, symmetric=False)
     n, k = 48, 256
@@ -130,10 +131,10 @@ def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx):
     assert (lin.prefill is not None) == amx
     assert lin.nbytes == lin.packed.nbytes + (rows.s.numel() * 4 if amx else 0)
     decoded = dequantize_reference(fmt, w, torch.float32).bfloat16()
-    for t in (1, GEMM_ROWS - 1, GEMM_ROWS, 40):
+    for t in (1, 8, PREFILL_ROWS - 1, PREFILL_ROWS, 40):
         x = torch.randn(t, k).bfloat16()
         got = lin(x)
-        if amx and t >= GEMM_ROWS:
+        if amx and t >= PREFILL_ROWS:
             assert torch.equal(lin.decoded(), decoded)
             assert torch.equal(got, torch.nn.functional.linear(x, decoded) + bias)
         else:

@@ -24,13 +24,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from triton_kernels.cpu_linear import GEMM_ROWS, QuantRows
+from triton_kernels.cpu_linear import QuantRows
 from triton_kernels.cpu_native import has_amx_bf16, native_kernels
 from triton_kernels.dequant import QuantFormat, weight_shape
 from triton_kernels.fused_moe import SILU, MoeActivation, moe_packed_banks
 
 GROUPS = (32, 64, 128, 256)      # the kernel's group sizes
 ROWS = 16                        # N must be a multiple: the packing interleaves 16 rows
+# From here an Int4Linear's rows take the decoded weight on AMX: its decode, ~0.2 ms for
+# [1024, 1024] g32 on 2 cores, is then below the int4 GEMM's ~13 us a row (8 rows 0.12 ms
+# against 0.19, 16 0.21 against 0.20, 64 0.83 against 0.26).
+PREFILL_ROWS = 16
 
 
 def packable_int4(fmt: QuantFormat, w: dict, dtype: torch.dtype) -> bool:
@@ -79,9 +83,9 @@ class Int4Linear:
     slower at one row: [1536, 1024] g32, 0.075 ms against 0.048.)
     prefill: the same weight as the native kernels read it (cpu_linear.QuantRows: the
     checkpoint's nibbles and float32 (scale, -zero * scale) pairs). On a CPU with AMX-BF16
-    (amx; default: this one's), a call of GEMM_ROWS rows and more (a prefill chunk) decodes
-    it to bf16 (ft_int4_decode: the reference's values, rounded once) and runs AMX's bf16
-    product: at 512 rows of [1536, 1024] g32, 1.0 ms against the int4 GEMM's 9.6. Its
+    (amx; default: this one's), a call of PREFILL_ROWS rows and more (a prefill chunk)
+    decodes it to bf16 (ft_int4_decode: the reference's values, rounded once) and runs AMX's
+    bf16 product: at 512 rows of [1536, 1024] g32, 1.0 ms against the int4 GEMM's 9.6. Its
     own bytes (a fused copy, the pairs) count in nbytes."""
 
     def __init__(self, fmt: QuantFormat, w: dict, bias: torch.Tensor | None = None,
@@ -108,7 +112,7 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if (self.prefill is not None and rows.shape[0] >= GEMM_ROWS
+        if (self.prefill is not None and rows.shape[0] >= PREFILL_ROWS
                 and rows.dtype == torch.bfloat16):
             y = F.linear(rows, self.decoded())
         else:
