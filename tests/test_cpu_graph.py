@@ -31,12 +31,12 @@ def prompts(n: int) -> list[list[int]]:
                           generator=g).tolist() for _ in range(n)]
 
 
-def both(path, prompt_ids, params, **kw):
+def both(path, prompt_ids, params, dtype="bfloat16", **kw):
     """(program engine's outputs, its graph, the modules' outputs)."""
-    fast = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", **kw)
+    fast = LLM(path, skip_tokenizer_init=True, dtype=dtype, **kw)
     graph = fast.runner.cpu_graph
     got = fast.generate(prompt_ids, params)
-    eager = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, **kw)
+    eager = LLM(path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, **kw)
     assert eager.runner.cpu_graph is None
     return got, graph, eager.generate(prompt_ids, params)
 
@@ -57,8 +57,9 @@ def quantized(tiny_model_dir, tmp_path_factory):  # noqa: F811
     return make
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_program_steps_give_the_modules_bits(tiny_model_dir, family):  # noqa: F811
+@pytest.mark.parametrize("family,dtype", [("qwen3_moe", "bfloat16"), ("mixtral", "bfloat16"),
+                                          ("gpt_oss", "bfloat16"), ("qwen3_moe", "float16")])
+def test_program_steps_give_the_modules_bits(tiny_model_dir, family, dtype):  # noqa: F811
     # gpt-oss: sliding window and sinks on alternate layers, biased projections and
     # experts, swiglu_oai, the router's weights rounded to bf16. Nine prompts of 2 to 10
     # new tokens: the first steps (9 sequences) are the modules', from 7 down the program's.
@@ -66,7 +67,7 @@ def test_program_steps_give_the_modules_bits(tiny_model_dir, family):  # noqa: F
     ids = prompts(9)
     params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0, logprobs=3)
               for n in range(2, 11)]
-    got, graph, want = both(path, ids, params)
+    got, graph, want = both(path, ids, params, dtype)
     assert graph is not None
     assert graph.runs >= 8 - 1          # the steps of 7 sequences down to 1
     assert_same(got, want)
