@@ -177,6 +177,10 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model, monkeypatch):
         alone = [m for m in qlin if id(m) not in fused]
         assert alone and all(isinstance(m.packed, tk.Int4Linear) for m in alone), name
         assert attns and all(isinstance(a.qkv_packed, tk.Int4Linear) for a in attns), name
+        # on an AMX CPU (with the native kernels) their prefill rows decode the nibbles
+        amx_rows = tk.has_amx_bf16() and tk.native_kernels() is not None
+        assert all((p.prefill is not None) == amx_rows
+                   for p in [m.packed for m in alone] + [a.qkv_packed for a in attns]), name
         assert all(a.cpu_decode is not None for a in attns) == (tk.native_kernels() is not None)
         if name == "resident" and tk.native_kernels() is not None:   # and its decode steps take it
             calls = []

@@ -91,7 +91,7 @@ def pack_fused(projs) -> tk.CpuLinear | tk.Int4Linear | None:
             return None
         w = {name: torch.cat([p.weight_dict()[name] for p in projs]) for name in projs[0].names}
         return tk.Int4Linear(projs[0].fmt, w, None if bias is None else bias.to(projs[0].dtype),
-                             prefill=_fused_rows(projs))
+                             prefill=_fused_rows(projs) if tk.has_amx_bf16() else None)
     dense = [p.cpu_dense() for p in projs]
     if any(d is None for d in dense):
         return None
@@ -151,7 +151,9 @@ class QuantLinear(nn.Module):
         copy's bytes."""
         w = self.weight_dict()
         if self.int4_gemm():
-            self.packed = tk.Int4Linear(self.fmt, w, self.bias, prefill=self.cpu_rows())
+            # (the prefill rows only where AMX's product will read them)
+            self.packed = tk.Int4Linear(self.fmt, w, self.bias,
+                                        prefill=self.cpu_rows() if tk.has_amx_bf16() else None)
             return self.packed.nbytes
         if (dense := self.cpu_dense()) is None:
             return 0
