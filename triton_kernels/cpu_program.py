@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from triton_kernels.cpu_native import ATTN_RANGE, OP_ATTN, NativeKernels, Op
+from triton_kernels.cpu_native import ATTN_RANGE, OP_ATTN, NativeKernels, Op, _check_rc
 
 _INTS = 32          # cpu_program.c's OP_INTS
 
@@ -96,8 +96,6 @@ class CpuProgram:
                 if rc == -2:
                     raise ValueError(f"{label}: " + (ATTN_RANGE if op.kind == OP_ATTN else
                                                      "an expert id outside its bank"))
-                if rc == -3:
-                    raise ValueError(f"{label}: int4 groups must be a power of two from 32")
                 if rc == -4:
                     raise ValueError(f"{label}: op kind {op.kind} is not one the library has")
-                raise MemoryError(f"{label}: out of host memory for its scratch ({rc})")
+                _check_rc(rc, label, "its scratch")     # -3: int4 groups; else memory
