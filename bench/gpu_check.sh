@@ -6,6 +6,8 @@
 #   bash bench/gpu_check.sh offload    # ~8 min: ft bench bw, then bench/offload.py
 #   bash bench/gpu_check.sh models     # ~8 min: MLA, Gated DeltaNet and dequantizing kernels
 #                                      #   (never yet run on CUDA), their tests and benches
+#   bash bench/gpu_check.sh session    # ~9 min: kernels, bw and offload (with #21's cpu arm)
+#                                      #   trimmed into one call, for a session's only lease
 # A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one.
 # Everything is written under $OUT (or ./gpu-check-out).
 # kernels: kernel tests on CUDA (float16/bfloat16, one fixed config per autotuned kernel) ->
@@ -26,8 +28,12 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee "$OUT/versions.txt"
+{ nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread|Socket|NUMA node\(s\)|L3"
+  lscpu | grep -o -E "amx_bf16|avx512_bf16|avx512f" | sort -u | tr "\n" " "; echo
+  free -g | head -2; gcc --version | head -1; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
 
 case "$PART" in
 kernels)
@@ -68,8 +74,34 @@ offload)
   echo "== bench/offload.py"
   timeout 420 python3 bench/offload.py --workdir /tmp --out "$OUT/offload.json" 2>&1 | tee "$OUT/offload.txt"
   ;;
+session)
+  # A whole 15-minute lease in one call (~9 min; run it with timeout_s 580): the parts above,
+  # trimmed, in the order that matters if time runs out; the offload model is written in the
+  # background while the kernel tests run. At most 8 files come back: env, kernel_tests,
+  # bw, build, offload.txt/.json, kernels.
+  (timeout 240 python3 bench/offload.py --model /tmp/offload-model --build-only \
+     > "$OUT/build.txt" 2>&1) &
+  BUILD=$!
+  echo "== kernel tests on CUDA"
+  XD=$(python3 -c "import xdist" 2>/dev/null && echo "-n 4")      # compiles in 4 processes
+  timeout 150 python3 -m pytest -q -p no:cacheprovider $XD tests/test_kernels.py \
+    > "$OUT/kernel_tests.txt" 2>&1
+  tail -25 "$OUT/kernel_tests.txt"
+  echo "== ft bench bw"
+  timeout 45 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
+  wait $BUILD
+  echo "== bench/offload.py (the cpu arm: #21's CPU experts with attention on the GPU)"
+  timeout 230 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
+    --decode-tokens 16 --batches 1,8,16 --out "$OUT/offload.json" \
+    --arms resident,cpu,offload-lfu-decay,hybrid,auto,offload-lru-noprefetch,offload-lfu-decay-prefetch-all \
+    2>&1 | tee "$OUT/offload.txt"
+  echo "== kernel microbenchmarks"
+  timeout 60 python3 bench/kernels.py --dtype bf16 --ops fused_moe --rounds 3 2>&1 | tee "$OUT/kernels.txt"
+  timeout 40 python3 bench/kernels.py --dtype bf16 --rounds 3 \
+    --ops rms_norm,rope,silu_and_mul,topk_softmax,write_kv,paged_attention 2>&1 | tee -a "$OUT/kernels.txt"
+  ;;
 *)
-  echo "unknown part $PART: kernels, serve, offload or models" >&2
+  echo "unknown part $PART: kernels, serve, offload, models or session" >&2
   exit 2
   ;;
 esac

@@ -42,6 +42,7 @@ import torch
 # the `kernels` package transformers imports when it finds one (transformers 5.x).
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))           # this checkout's freetoken
 
 SHAPES = {
     "qwen3-30b-a3b-8l": dict(hidden_size=2048, num_layers=8, num_heads=32, num_kv_heads=4, head_dim=128,
@@ -66,6 +67,20 @@ def pinned_h2d_gbps(device) -> float | None:
     return 5 * src.numel() / (time.perf_counter() - t0) / 1e9
 
 
+def host_read_gbps(gib: float = 1.0) -> float:
+    """The host's DRAM read ceiling with torch's threads (the CPU experts' threads): a float32
+    matrix-vector product over `gib` GiB, best of 3 (bench/cpu.py's probe)."""
+    w = torch.empty(int(gib * 2**28) // 4096, 4096).uniform_()
+    x = torch.ones(4096)
+    torch.mv(w, x)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.mv(w, x)
+        best = min(best, time.perf_counter() - t0)
+    return w.numel() * 4 / best / 1e9
+
+
 def _counters(llm) -> dict:
     return llm.runner.moe_report()["counters"] or {} if llm.runner.moe is not None else {}
 
@@ -79,6 +94,14 @@ def _timed_generate(llm, prompts, tokens) -> tuple[float, dict]:
     if llm.runner.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0, _counters(llm)
+
+
+def prefill_run(llm, tokens: int) -> float:
+    """One prompt of `tokens` tokens and one output token, after a warm run of another prompt
+    of the same length (no cached prefix): prompt tokens per second."""
+    _timed_generate(llm, [[5 + (7 * j) % 97 for j in range(tokens)]], 1)
+    seconds, _ = _timed_generate(llm, [[3 + (11 * j) % 89 for j in range(tokens)]], 1)
+    return tokens / seconds
 
 
 def decode_run(llm, batch: int, tokens: int) -> dict:
@@ -117,21 +140,25 @@ OFFLOAD_ARMS = [
 OTHER_ARMS = [
     ("hybrid", dict(moe_backend="hybrid")),      # K from `ft bench bw`'s profile or calibration
     ("auto", dict(moe_backend="auto")),          # offload or hybrid, from the same figures
+    ("cpu", dict(moe_backend="cpu")),            # every expert on the CPU, attention on the GPU
 ]
 
 
 def freetoken_arm(model_dir, args, name, kw) -> dict:
     from freetoken import LLM
-    kw = dict(device=args.device, dtype=args.dtype, max_model_len=512, **kw)
-    if kw["moe_backend"] != "resident":
+    kw = dict(device=args.device, dtype=args.dtype, max_model_len=max(512, args.prefill_tokens + 64),
+              **kw)
+    if kw["moe_backend"] not in ("resident", "cpu"):       # the backends with a cache
         if args.cache_slots:        # --quant: bf16's byte budget, in quantized experts
             kw["moe_cache_size"] = args.cache_slots
         else:
             kw["moe_cache_rate"] = args.cache_rate
     llm = LLM(str(model_dir), skip_tokenizer_init=True, **kw)
     out = {"arm": f"freetoken-{name}"}
-    for batch in (1, 8):
+    for batch in args.batches:
         out.update({f"{k}_b{batch}": v for k, v in decode_run(llm, batch, args.decode_tokens).items()})
+    if args.prefill_tokens:
+        out["prefill_tok_s"] = prefill_run(llm, args.prefill_tokens)
     report = llm.runner.moe_report()
     if llm.runner.moe is not None:
         out["cache"] = report["cache"]
@@ -177,6 +204,30 @@ def transformers_arms(model_dir, args) -> list[dict]:
     return arms
 
 
+def _print_arm(a: dict) -> None:
+    print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in a.items() if k not in ("cache", "reason")), flush=True)
+    if a.get("reason"):
+        print(f"    why: {a['reason']}", flush=True)
+
+
+def _bounds(a: dict, report: dict, ceiling: float | None) -> None:
+    """Two PCIe bounds at batch 1: the issue's (bytes not cached at the measured hit rate over
+    the pinned ceiling), and the bytes this arm really moved per token (prefetches included,
+    hits they produced too) over the same ceiling. The CPU arm: active expert bytes per token
+    x tok/s over the host's DRAM read ceiling (#21's roofline)."""
+    hit, moved = a.get("hit_rate_b1"), a.get("fetched_bytes_per_token_b1")
+    active = report["active_expert_bytes_per_token"]
+    if ceiling and hit is not None and hit < 1:
+        a["pcie_bound_at_hit_rate_b1"] = ceiling * 1e9 / ((1 - hit) * active)
+        a["fraction_of_that_bound_b1"] = a["tok_s_b1"] / a["pcie_bound_at_hit_rate_b1"]
+    if ceiling and moved:
+        a["pcie_bound_for_bytes_moved_b1"] = ceiling * 1e9 / moved
+        a["fraction_of_moved_bound_b1"] = a["tok_s_b1"] / a["pcie_bound_for_bytes_moved_b1"]
+    if a.get("backend") == "cpu" and "tok_s_b1" in a:
+        a["dram_roofline_b1"] = active * a["tok_s_b1"] / (report["host_read_gbps"] * 1e9)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", choices=list(SHAPES), default="qwen3-30b-a3b-8l")
@@ -186,37 +237,58 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--cache-rate", type=float, default=0.25)
     p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,8", help="decode batch sizes (comma-separated)")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="each arm's prefill of one "
+                   "prompt this long, tokens/s (0: skip)")
+    p.add_argument("--arms", help="comma-separated arm names to run (default: all), e.g. "
+                   "resident,offload-lfu-decay,cpu")
     p.add_argument("--accelerate-gpu-gb", type=float, default=4.0,
                    help="accelerate's GPU budget (dense + about 25%% of experts)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
-    p.add_argument("--out")
+    p.add_argument("--model", type=Path, help="keep the checkpoint here: built if the folder has "
+                   "none, reused if it has (the skewed pass rewrites its routers)")
+    p.add_argument("--build-only", action="store_true", help="build --model's checkpoint and stop")
+    p.add_argument("--out", help="the report as JSON, rewritten after each arm")
     p.add_argument("--quant", default=None, help="tools/make_tiny_model.py --quant: experts and "
                    "projections quantized in that method's layout (fp8 blocks 128x128, int4 g32)")
     args = p.parse_args(argv)
     args.cache_slots = None
-    from freetoken.demo.tiny_model import make_tiny_model, skew_routers
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.build_only and args.model is None:
+        p.error("--build-only needs --model")
+    order = args.arms.split(",") if args.arms else []
+    wanted = set(order) if args.arms else None
+    known = {"resident"} | {n for n, _ in OFFLOAD_ARMS + OTHER_ARMS}
+    if wanted and wanted - known:
+        p.error(f"unknown arms {sorted(wanted - known)}; known: {sorted(known)}")
 
     device = torch.device(args.device)
+    if args.build_only:
+        build_model(args.model, args)
+        return 0
     ceiling = pinned_h2d_gbps(device)
-    report = {"conditions": vars(args), "pinned_h2d_gbps": ceiling, "routing": {}}
+    report = {"conditions": vars(args), "pinned_h2d_gbps": ceiling,
+              "host_read_gbps": host_read_gbps(), "host_threads": torch.get_num_threads(),
+              "routing": {}}
+    print(f"pinned H2D {ceiling or float('nan'):.1f} GB/s, host DRAM read "
+          f"{report['host_read_gbps']:.1f} GB/s with {report['host_threads']} threads", flush=True)
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        model_dir = Path(tmp) / "model"
+        model_dir = args.model or Path(tmp) / "model"
         t0 = time.perf_counter()
-        make_tiny_model(model_dir, family=args.family, seed=0, dtype=args.dtype, **SHAPES[args.scale])
-        # The family's own expert layout (gpt-oss adds biases), read off the meta-built model.
-        from freetoken.models.loader import init_model
-        if args.quant:
-            from freetoken.models.quant.encode import quantize_checkpoint
-            blocks = init_model(model_dir, args.dtype)[0].moe_blocks()
-            float_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
-            quantize_checkpoint(model_dir, args.quant)
-            args.skip_transformers = True     # its loaders are not the oracle of this bench
+        float_bytes = build_model(model_dir, args)
         report["model_build_s"] = time.perf_counter() - t0
+        from freetoken.models.loader import init_model
         blocks = init_model(model_dir, args.dtype)[0].moe_blocks()
         expert_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
         report["expert_bytes"] = expert_bytes
-        if args.quant:
+        if args.quant:      # the cache gets bf16's bytes, in quantized experts
+            args.skip_transformers = True     # its loaders are not the oracle of this bench
             n = sum(b.experts.num_experts for b in blocks.values())
             args.cache_slots = min(n, int(args.cache_rate * n * float_bytes) // expert_bytes)
             report["quant"] = {"format": next(iter(blocks.values())).experts.layout.describe(),
@@ -225,37 +297,52 @@ def main(argv=None) -> int:
         report["active_expert_bytes_per_token"] = expert_bytes * sum(b.top_k for b in blocks.values())
         for routing in ("uniform", "skewed"):
             if routing == "skewed":
+                from freetoken.demo.tiny_model import skew_routers
                 skew_routers(model_dir)
-            arms = ([freetoken_arm(model_dir, args, "resident", dict(moe_backend="resident"))]
-                    if routing == "uniform" else [])
-            arms += [freetoken_arm(model_dir, args, n, kw) for n, kw in OFFLOAD_ARMS]
-            if routing == "uniform":
-                arms += [freetoken_arm(model_dir, args, n, kw) for n, kw in OTHER_ARMS]
+            todo = ([("resident", dict(moe_backend="resident"))] if routing == "uniform" else [])
+            todo += OFFLOAD_ARMS + (OTHER_ARMS if routing == "uniform" else [])
+            if wanted is not None:      # --arms' order: the ones that matter first
+                todo = sorted((a for a in todo if a[0] in wanted), key=lambda a: order.index(a[0]))
+            if not todo:
+                continue
+            print(f"== {routing} routing", flush=True)
+            arms = report["routing"][routing] = []
+            for name, kw in todo:
+                try:
+                    a = freetoken_arm(model_dir, args, name, kw)
+                except Exception as e:  # noqa: BLE001 - one arm's failure is a result; go on
+                    a = {"arm": f"freetoken-{name}", "error": f"{type(e).__name__}: {e}"}
+                _bounds(a, report, ceiling)
+                arms.append(a)
+                _print_arm(a)
+                save()
             if routing == "uniform" and not args.skip_transformers:
-                arms += transformers_arms(model_dir, args)
-            for a in arms:
-                # Two bounds at batch 1: the issue's (bytes not cached at the measured hit rate
-                # over the pinned ceiling), and the bytes this arm really moved per token
-                # (prefetches included, hits they produced too) over the same ceiling.
-                hit, moved = a.get("hit_rate_b1"), a.get("fetched_bytes_per_token_b1")
-                if ceiling and hit is not None and hit < 1:
-                    missed = (1 - hit) * report["active_expert_bytes_per_token"]
-                    a["pcie_bound_at_hit_rate_b1"] = ceiling * 1e9 / missed
-                    a["fraction_of_that_bound_b1"] = a["tok_s_b1"] / a["pcie_bound_at_hit_rate_b1"]
-                if ceiling and moved:
-                    a["pcie_bound_for_bytes_moved_b1"] = ceiling * 1e9 / moved
-                    a["fraction_of_moved_bound_b1"] = a["tok_s_b1"] / a["pcie_bound_for_bytes_moved_b1"]
-            report["routing"][routing] = arms
-    for routing, arms in report["routing"].items():
-        print(f"== {routing} routing (pinned H2D ceiling {ceiling or float('nan'):.1f} GB/s)")
-        for a in arms:
-            print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in a.items() if k not in ("cache", "reason")))
-            if a.get("reason"):
-                print(f"    why: {a['reason']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+                for a in transformers_arms(model_dir, args):
+                    arms.append(a)
+                    _print_arm(a)
+                    save()
+    save()
     return 0
+
+
+def build_model(model_dir: Path, args) -> int | None:
+    """The checkpoint in model_dir (built unless it holds one); returns the bf16 expert bytes
+    when --quant re-encodes it (the cache's byte budget), else None."""
+    from freetoken.demo.tiny_model import make_tiny_model
+    from freetoken.models.loader import init_model
+    if (model_dir / "config.json").exists():
+        return json.loads((model_dir / "float_expert_bytes.json").read_text()) \
+            if (model_dir / "float_expert_bytes.json").exists() else None
+    make_tiny_model(model_dir, family=args.family, seed=0, dtype=args.dtype, **SHAPES[args.scale])
+    if not args.quant:
+        return None
+    # The family's own expert layout (gpt-oss adds biases), read off the meta-built model.
+    blocks = init_model(model_dir, args.dtype)[0].moe_blocks()
+    float_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
+    from freetoken.models.quant.encode import quantize_checkpoint
+    quantize_checkpoint(model_dir, args.quant)
+    (model_dir / "float_expert_bytes.json").write_text(json.dumps(float_bytes))
+    return float_bytes
 
 
 if __name__ == "__main__":
