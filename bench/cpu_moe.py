@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--skip-reference", action="store_true", help="the float32 reference is slow")
+    p.add_argument("--arms", help="comma-separated arm names to time (default: all), e.g. "
+                   "'bf16 native,bf16 packed'; the first one timed is the ratios' base")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     import triton_kernels as tk
@@ -110,6 +112,11 @@ def main(argv=None) -> int:
         if not args.skip_reference:
             arms[f"{name} reference"] = (lambda x, w, ids, fmt=fmt, q13=q13, q2=q2:
                                          fused_moe_quant_reference(x, fmt, q13, q2, w, ids))
+    if args.arms:
+        keep = args.arms.split(",")
+        if set(keep) - set(arms):
+            p.error(f"unknown arms {sorted(set(keep) - set(arms))}; built here: {sorted(arms)}")
+        arms = {name: arms[name] for name in keep}
     tokens = [int(t) for t in args.tokens.split(",")]
     print(f"one MoE layer: {e} experts, top-{args.top_k}, D {d}, I {i}, {args.threads} threads; "
           f"ms (median of {args.reps}) and x bf16")
@@ -123,6 +130,8 @@ def main(argv=None) -> int:
             base.setdefault(t, ms)
             cells.append(f"{ms:.2f} ({ms / base[t]:.2f}x)")
         print(name.ljust(22) + "".join(c.ljust(20) for c in cells), flush=True)
+    if 1 in tokens:     # batch 1 streams top_k experts' weights once: bf16's bytes / time
+        print(f"bf16 bytes of one token's experts: {args.top_k * 3 * d * i * 2 / 2**20:.1f} MiB")
     return 0
 
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The prepared GPU checks, one device call per part (each under the tool's 10-minute cap).
-# Run from the repo root with `.whl` carried (httptools, orjson; see ../shared/GPU.md), e.g.:
+# Run from the repo root with `.whl` carried (httptools, orjson, llguidance; see ../shared/GPU.md), e.g.:
 #   bash bench/gpu_check.sh kernels    # ~6 min: kernel tests on CUDA, kernel microbenchmarks
 #   bash bench/gpu_check.sh serve      # ~5 min: sampling, whole-model parity, first request
 #   bash bench/gpu_check.sh offload    # ~8 min: ft bench bw, then bench/offload.py
 #   bash bench/gpu_check.sh models     # ~8 min: MLA, Gated DeltaNet and dequantizing kernels
 #                                      #   (never yet run on CUDA), their tests and benches
+#   bash bench/gpu_check.sh cpu-experts  # ~4 min: bw, the CPU's MoE products, the CPU arms
 #   bash bench/gpu_check.sh session    # ~9 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
 # A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one.
@@ -51,7 +52,7 @@ serve)
   echo "== sampling vs a full-vocabulary sort"
   timeout 60 python3 bench/sampler.py --device cuda 2>&1 | tee "$OUT/sampler.txt"
   echo "== model through the kernels vs the references"
-  timeout 90 python3 bench/cuda_parity.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/parity.txt"
+  timeout 120 python3 bench/cuda_parity.py --device cuda --dtype bfloat16 --where 2>&1 | tee "$OUT/parity.txt"
   echo "== first request after ready"
   timeout 60 python3 tools/make_tiny_model.py --family qwen3_moe --out /tmp/gpu-tiny --dtype bfloat16 \
     --hidden-size 1024 --num-layers 4 --num-experts 64 --top-k 8 --moe-intermediate-size 512 \
@@ -73,6 +74,23 @@ offload)
   timeout 90 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
   echo "== bench/offload.py"
   timeout 420 python3 bench/offload.py --workdir /tmp --out "$OUT/offload.json" 2>&1 | tee "$OUT/offload.txt"
+  ;;
+cpu-experts)
+  # #21's CPU side on this host: `ft bench bw` (the profile hybrid and auto read), one MoE
+  # layer's CPU products alone at the offload model's shape, then the arms that use the CPU.
+  (timeout 240 python3 bench/offload.py --model /tmp/offload-model --build-only \
+     > "$OUT/build.txt" 2>&1) &
+  BUILD=$!
+  echo "== ft bench bw"
+  timeout 40 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
+  echo "== one MoE layer on the CPU (128 experts, D 2048, I 768)"
+  timeout 50 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1,8,16 \
+    --formats "" --arms "bf16 native,bf16 packed" --reps 5 2>&1 | tee "$OUT/cpu_moe.txt"
+  wait $BUILD
+  echo "== bench/offload.py: the arms that compute experts on the CPU"
+  timeout 130 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
+    --decode-tokens 16 --batches 1,8,16 --out "$OUT/offload.json" \
+    --arms cpu,hybrid,auto,resident 2>&1 | tee "$OUT/offload.txt"
   ;;
 session)
   # A whole 15-minute lease in one call (~9 min; run it with timeout_s 580): the parts above,
@@ -101,7 +119,7 @@ session)
     --ops rms_norm,rope,silu_and_mul,topk_softmax,write_kv,paged_attention 2>&1 | tee -a "$OUT/kernels.txt"
   ;;
 *)
-  echo "unknown part $PART: kernels, serve, offload, models or session" >&2
+  echo "unknown part $PART: kernels, serve, offload, models, cpu-experts or session" >&2
   exit 2
   ;;
 esac

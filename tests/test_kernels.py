@@ -103,11 +103,11 @@ def test_rms_norm_reference_is_hf_norm_bit_for_bit(dtype):
     # The reference is torch's fused rms_norm; HF's Qwen/Mixtral norm spelled out is the
     # oracle (float32 statistics, rounded to x's dtype, then the weight; a float32 weight
     # promotes), at decode rows, prefill rows and per-head rows.
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator(device="cpu").manual_seed(5)      # drawn on the CPU on a GPU machine too
     for shape, wdtype in [((1, 1024), dtype), ((300, 1024), dtype), ((16, 64), dtype),
                           ((5, 96), torch.float32)]:
-        x = (3 * torch.randn(*shape, generator=g)).to(dtype)
-        w = torch.randn(shape[-1], generator=g).to(wdtype)
+        x = (3 * torch.randn(*shape, generator=g, device="cpu")).to(dtype)
+        w = torch.randn(shape[-1], generator=g, device="cpu").to(wdtype)
         h = x.float()
         want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
         got = rms_norm_reference(x, w, 1e-6)

@@ -6,6 +6,7 @@ so a valid JSON answer is the grammar's doing alone."""
 from __future__ import annotations
 
 import json
+import os
 
 import jsonschema
 import openai
@@ -233,3 +234,27 @@ def test_penalties_and_logit_bias(client):
         client.completions.create(model="tiny-qwen3", prompt="x", logit_bias={"77": 500})
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model="tiny-qwen3", prompt="x", logit_bias={"9999999": 5})
+
+
+def test_server_without_llguidance_serves_and_refuses_constraints(tiny_model_dir, tmp_path):  # noqa: F811
+    # An install that lacks the grammar engine (a machine whose image has no llguidance wheel)
+    # still starts and serves; a request for a constraint gets a 400 that names the package.
+    blocker = tmp_path / "blocked" / "llguidance"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('llguidance is blocked for this test')\n")
+    model_dir = tiny_model_dir("qwen3_moe", seed=0, name="tiny-qwen3", max_position_embeddings=1024)
+    path = os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")])
+    with ServerProcess(model_dir, env={"PYTHONPATH": path}) as s:
+        assert "need the llguidance package" in s.logs() and "serving without them" in s.logs()
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="none", max_retries=0)
+        plain = c.chat.completions.create(model="tiny-qwen3", messages=MSGS, max_tokens=4)
+        assert plain.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny-qwen3", messages=MSGS, max_tokens=4,
+                                      response_format=RF)
+        assert "pip install 'llguidance" in e.value.message
+        assert e.value.body["param"].startswith("response_format")
+        with pytest.raises(openai.BadRequestError, match="llguidance"):
+            c.completions.create(model="tiny-qwen3", prompt="x", max_tokens=4,
+                                 extra_body={"guided_regex": "[a-z]+"})
+        assert s.health()[0] == 200

@@ -40,6 +40,21 @@ class GrammarError(ValueError):
         self.param = param
 
 
+MISSING = ("structured outputs (response_format json_schema/json_object, guided choice, regex "
+           "and grammars) need the llguidance package, which is not installed here: "
+           "pip install 'llguidance>=1.0'")
+
+
+def _llguidance(param: str = "response_format"):
+    """The llguidance module, or a GrammarError (a 400) that says it is missing: a server
+    without it still serves everything else."""
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError(MISSING, param) from None
+    return llguidance
+
+
 class GrammarCompiler:
     """One per engine: the llguidance tokenizer (built on first use, ~0.1-1 s) and compile()."""
 
@@ -53,16 +68,19 @@ class GrammarCompiler:
     @property
     def ll_tokenizer(self):
         if self._ll_tokenizer is None:
-            import llguidance
-
-            self._ll_tokenizer = llguidance.LLTokenizer(
+            self._ll_tokenizer = _llguidance().LLTokenizer(
                 self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                 eos_token=self.eos_ids or None)
         return self._ll_tokenizer
 
     def warm(self) -> None:
-        """Build the llguidance tokenizer now (a server does it while loading, not in a request)."""
-        _ = self.ll_tokenizer
+        """Build the llguidance tokenizer now (a server does it while loading, not in a request).
+        Without llguidance the server starts all the same: a warning now, and a clear 400 for
+        each request that asks for a constraint."""
+        try:
+            _ = self.ll_tokenizer
+        except GrammarError as e:
+            log.warning("%s; serving without them", e)
 
     @property
     def words(self) -> int:
@@ -70,7 +88,7 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def grammar_text(self, spec: StructuredOutputs) -> str:
-        from llguidance import LLMatcher
+        LLMatcher = _llguidance(spec.param).LLMatcher
 
         try:
             if spec.json is not None:
@@ -92,7 +110,7 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputs) -> "Grammar":
         """A fresh Grammar for one request; GrammarError (a 400) when it cannot compile."""
-        from llguidance import LLMatcher
+        LLMatcher = _llguidance(spec.param).LLMatcher
 
         text = self.grammar_text(spec)
         error = LLMatcher.validate_grammar(text, self.ll_tokenizer)
@@ -120,8 +138,7 @@ class GrammarCompiler:
         active = [(g.matcher, row) for g, row in grammars]
         if active:
             if self._executor is None:
-                import llguidance
-                self._executor = llguidance.LLExecutor()
+                self._executor = _llguidance().LLExecutor()
             self._executor.unsafe_compute_mask_ptr(active, mask.data_ptr(), self.words * 4, num_rows)
         for g, row in grammars:
             if g.extra_id is not None and g.num_seen == 0:

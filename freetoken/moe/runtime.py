@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -115,6 +116,7 @@ class MoeRuntime:
         self._rank_guessed: list[int] = []    # per rank of a guess (0: most likely): how often
         self._rank_used: list[int] = []       # it was made, and how often the layer used it
         self.cpu_experts = {l: 0 for l in moe_layers}
+        self.cpu_seconds = 0.0          # wall time of the CPU's expert products (all layers)
         self.waves = {l: 0 for l in moe_layers}         # waves run (layer steps in waves only)
         self.wave_steps = {l: 0 for l in moe_layers}    # layer steps that ran in waves
         self.wave_evictions = 0     # experts a layer's later waves evicted from its earlier ones
@@ -161,6 +163,7 @@ class MoeRuntime:
         self.num_steps = self.prefetch_guessed = self.prefetch_used = self.prefetch_dropped = 0
         self._rank_guessed, self._rank_used = [], []
         self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
+        self.cpu_seconds = 0.0
         self.waves = dict.fromkeys(self.waves, 0)
         self.wave_steps = dict.fromkeys(self.wave_steps, 0)
         self.wave_evictions = self.wave_refetches = 0
@@ -260,8 +263,11 @@ class MoeRuntime:
         return self.store.layout.run(x, c.pool, weights, ids, c.slot_map(layer))
 
     def _cpu(self, layer, x_h, w_h, ids_h, experts) -> torch.Tensor:
+        t0 = time.perf_counter()
         with torch_threads(self.cfg.cpu_threads):
-            return cpu_moe(self.store.layout, x_h, self.store.cpu_bank(layer), w_h, ids_h, experts)
+            out = cpu_moe(self.store.layout, x_h, self.store.cpu_bank(layer), w_h, ids_h, experts)
+        self.cpu_seconds += time.perf_counter() - t0
+        return out
 
     def _rank(self, guess_h: torch.Tensor, guess_w_h: torch.Tensor) -> list[int]:
         """The guessed experts [T, k], most likely first: by router probability summed over
