@@ -86,6 +86,8 @@ cpu-experts)
   echo "== one MoE layer on the CPU (128 experts, D 2048, I 768)"
   timeout 50 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1,8,16 \
     --formats "" --arms "bf16 native,bf16 packed" --reps 5 2>&1 | tee "$OUT/cpu_moe.txt"
+  timeout 30 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1 \
+    --formats "" --arms "bf16 native" --reps 5 --threads 8 2>&1 | tee -a "$OUT/cpu_moe.txt"
   wait $BUILD
   echo "== bench/offload.py: the arms that compute experts on the CPU"
   timeout 130 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
