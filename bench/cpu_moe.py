@@ -17,6 +17,7 @@ run (the machine is shared: compare ratios, not milliseconds across runs).
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -118,6 +119,11 @@ def main(argv=None) -> int:
             p.error(f"unknown arms {sorted(set(keep) - set(arms))}; built here: {sorted(arms)}")
         arms = {name: arms[name] for name in keep}
     tokens = [int(t) for t in args.tokens.split(",")]
+    # One OpenMP runtime is torch's and the native kernels' both (cpu_native._openmp_runtime);
+    # two would spin against each other.
+    print("OpenMP runtimes in this process:", sorted({
+        line.split()[-1] for line in open("/proc/self/maps")
+        if re.search(r"/lib(gomp|iomp5|omp)\b", line)}) or "none")
     print(f"one MoE layer: {e} experts, top-{args.top_k}, D {d}, I {i}, {args.threads} threads; "
           f"ms (median of {args.reps}) and x bf16")
     print("arm".ljust(22) + "".join(f"T={t}".ljust(20) for t in tokens))

@@ -274,3 +274,24 @@ def test_int4_bank_decodes_prefill_chunks_for_amx(threads, monkeypatch):
     import sys
     monkeypatch.setattr(sys.modules["triton_kernels.fused_moe"], "INT4_DECODE_BYTES", 1 << 10)
     assert torch.equal(tk.fused_moe(c["x"], *banks[True], *args, b13=b13, b2=b2), native)
+
+
+def test_the_kernels_run_on_torchs_openmp_runtime():
+    # The library links to the OpenMP runtime torch loaded, by its file: one runtime in the
+    # process, whatever that file's soname (a wheel's libgomp-<hash>.so.1 included), so the
+    # kernels' threads are torch's pool and no second team spins on the same cores.
+    import shutil
+    import subprocess
+    runtime = cpu_native._openmp_runtime()
+    assert runtime is not None and runtime.exists()
+    kernel = tk.native_kernels()
+    mapped = {line.split()[-1] for line in open("/proc/self/maps")
+              if cpu_native.re.search(r"/lib(gomp|iomp5|omp)\b", line)}
+    assert mapped == {str(runtime)}, mapped
+    if shutil.which("readelf"):
+        dynamic = subprocess.run(["readelf", "-d", str(kernel.path)], capture_output=True,
+                                 text=True).stdout
+        soname = subprocess.run(["readelf", "-d", str(runtime)], capture_output=True,
+                                text=True).stdout
+        name = cpu_native.re.search(r"\(SONAME\)\s+Library soname: \[(.+?)\]", soname)
+        assert name and f"[{name.group(1)}]" in dynamic and str(runtime.parent) in dynamic

@@ -14,7 +14,14 @@ a list of them in one call (cpu_program.py, cpu_program.c: a CPU engine's decode
 Like Triton's launcher stubs, the kernel is compiled on the machine that runs it, by the C
 compiler there (cc -O3 -march=native -fopenmp: this CPU's vector width, AVX2 or AVX-512),
 into ~/.cache/freetoken/native (FREETOKEN_CACHE overrides the root), keyed by the sources,
-the compiler and the CPU's flags. Where there is no compiler or the build fails,
+the compiler, the CPU's flags and the OpenMP runtime it links to: torch's own, the file this
+process loaded (_openmp_runtime), so the kernels' parallel regions run on torch's pool. Linked
+to the system's libgomp instead, a torch wheel whose libgomp has a hashed soname
+(libgomp-<hash>.so.1) leaves two OpenMP runtimes in the process, each one's team spinning
+after its regions on the cores the other needs (pytorch#98836): on a 16-core H200 host one
+MoE layer of top-8 took 16 ms at 16 threads and 4 ms at 8, where the engine, its calls
+spaced by the GPU's work, ran the same layer at ~92 GB/s (0.8 ms). Where there is no
+compiler or the build fails,
 `native_kernels()` is None and the experts and projections keep their torch paths (a warning
 says why, once).
 """
@@ -28,6 +35,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -44,7 +52,7 @@ _HERE = Path(__file__).parent
 _SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c",
             "cpu_program.c")
 _HEADERS = ("cpu_dot.h", "cpu_kernels.h")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")  # in the key
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 _WEIGHT_FORMATS = {**_FORMATS, E4M3: 3, torch.uint8: 4}   # cpu_dot.h's FT_E4M3, FT_INT4
@@ -774,6 +782,20 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def _openmp_runtime() -> Path | None:
+    """The OpenMP runtime torch loaded (libgomp, libiomp5 or libomp), read off this
+    process's mappings, torch's own folder first; None where there is none to read."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
+    except OSError:
+        return None
+    found = [Path(p) for p in paths if re.search(r"/lib(gomp|iomp5|omp)\b[-.\w]*\.so[.\d]*$", p)]
+    torch_dir = Path(torch.__file__).resolve().parent
+    found.sort(key=lambda p: (torch_dir not in p.resolve().parents, str(p)))
+    return found[0] if found else None
+
+
 def _build() -> Path:
     if platform.system() != "Linux":
         raise RuntimeError(f"built on Linux only, not {platform.system()}")
@@ -781,8 +803,9 @@ def _build() -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     sources = b"".join((_HERE / name).read_bytes() for name in _SOURCES + _HEADERS)
+    runtime = _openmp_runtime()
     key = hashlib.sha256(sources + version.encode() + cpu_flags().encode()
-                         + " ".join(_FLAGS).encode()).hexdigest()[:16]
+                         + " ".join(_FLAGS).encode() + str(runtime).encode()).hexdigest()[:16]
     root = Path(os.environ.get("FREETOKEN_CACHE", Path.home() / ".cache" / "freetoken"))
     target = root / "native" / f"cpu_native-{key}.so"
     if target.exists():
@@ -792,12 +815,29 @@ def _build() -> Path:
     # half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [cc, *_FLAGS, "-o", str(built), *(str(_HERE / name) for name in _SOURCES), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        # Compiled with -fopenmp; linked without it where torch's runtime is known (-fopenmp
+        # at the link would add the system's -lgomp), to that file by path: its soname is the
+        # one already loaded, and the rpath finds it again in a process that has not.
+        link = (["-fopenmp"] if runtime is None else
+                [str(runtime), f"-Wl,-rpath,{runtime.parent}"])
+        objects = [str(Path(tmp) / (Path(name).stem + ".o")) for name in _SOURCES]
+        _run([[cc, *_FLAGS, "-c", str(_HERE / name), "-o", obj]       # at once, on every core
+              for name, obj in zip(_SOURCES, objects)])
+        _run([[cc, "-shared", "-o", str(built), *objects, *link, "-lm"]])
         os.replace(built, target)
     return target
+
+
+def _run(cmds: list[list[str]]) -> None:
+    """Run the commands side by side; a failure raises with the first failed one's errors."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for cmd in cmds]
+    for cmd, proc in zip(cmds, procs):
+        _, err = proc.communicate(timeout=120)
+        if proc.returncode != 0:
+            for other in procs:
+                other.kill()
+            raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-500:]}")
 
 
 def _describe(w) -> str:
