@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh offload    # ~8 min: ft bench bw, then bench/offload.py
 #   bash bench/gpu_check.sh models     # ~8 min: MLA, Gated DeltaNet and dequantizing kernels
 #                                      #   (never yet run on CUDA), their tests and benches
-#   bash bench/gpu_check.sh cpu-experts  # ~4 min: bw, the CPU's MoE products, the CPU arms
+#   bash bench/gpu_check.sh cpu-experts  # ~5 min: bw, the CPU's MoE products, the CPU arms
 #   bash bench/gpu_check.sh session    # ~9 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
 # A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one.
@@ -78,21 +78,28 @@ offload)
 cpu-experts)
   # #21's CPU side on this host: `ft bench bw` (the profile hybrid and auto read), one MoE
   # layer's CPU products alone at the offload model's shape, then the arms that use the CPU.
-  (timeout 240 python3 bench/offload.py --model /tmp/offload-model --build-only \
-     > "$OUT/build.txt" 2>&1) &
-  BUILD=$!
+  # The model is built first, not beside the CPU measurements: its random weights keep every
+  # core busy (on 2026-12-04 bw and cpu_moe ran beside it and read 4-5 GB/s where the engine,
+  # after it, ran the CPU experts at ~92).
+  echo "== the offload model"
+  timeout 240 python3 bench/offload.py --model /tmp/offload-model --build-only 2>&1 | tail -3
   echo "== ft bench bw"
   timeout 40 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
   echo "== one MoE layer on the CPU (128 experts, D 2048, I 768)"
   timeout 50 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1,8,16 \
     --formats "" --arms "bf16 native,bf16 packed" --reps 5 2>&1 | tee "$OUT/cpu_moe.txt"
-  timeout 30 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1 \
-    --formats "" --arms "bf16 native" --reps 5 --threads 8 2>&1 | tee -a "$OUT/cpu_moe.txt"
-  wait $BUILD
+  for threads in 15 8; do       # all cores but one, half: a team fighting other threads?
+    timeout 30 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1 \
+      --formats "" --arms "bf16 native" --reps 5 --threads $threads 2>&1 | tee -a "$OUT/cpu_moe.txt"
+  done
   echo "== bench/offload.py: the arms that compute experts on the CPU"
   timeout 130 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
     --decode-tokens 16 --batches 1,8,16 --out "$OUT/offload.json" \
     --arms cpu,hybrid,auto,resident 2>&1 | tee "$OUT/offload.txt"
+  echo "== the same, the CPU experts on all cores but one"
+  timeout 90 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
+    --decode-tokens 16 --batches 1,8 --prefill-tokens 0 --arms cpu,hybrid \
+    --moe-cpu-threads $(( $(nproc) - 1 )) 2>&1 | tee -a "$OUT/offload.txt"
   ;;
 session)
   # A whole 15-minute lease in one call (~9 min; run it with timeout_s 580): the parts above,
@@ -107,9 +114,9 @@ session)
   timeout 150 python3 -m pytest -q -p no:cacheprovider $XD tests/test_kernels.py \
     > "$OUT/kernel_tests.txt" 2>&1
   tail -25 "$OUT/kernel_tests.txt"
+  wait $BUILD           # bw times the CPU: not beside the build's random weights
   echo "== ft bench bw"
   timeout 45 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
-  wait $BUILD
   echo "== bench/offload.py (the cpu arm: #21's CPU experts with attention on the GPU)"
   timeout 230 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
     --decode-tokens 16 --batches 1,8,16 --out "$OUT/offload.json" \

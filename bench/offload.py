@@ -131,6 +131,9 @@ def decode_run(llm, batch: int, tokens: int) -> dict:
                    cpu_experts_per_token=(cn["cpu_experts"] - c1["cpu_experts"]) / (batch * tokens),
                    # the CPU's expert products' share of the decode time
                    cpu_share=(cn["cpu_expert_s"] - c1["cpu_expert_s"]) / seconds)
+        experts = cn["cpu_experts"] - c1["cpu_experts"]
+        if experts:     # the CPU's product per expert it computed, ms (decode's calls only)
+            out["cpu_ms_per_expert"] = 1e3 * (cn["cpu_expert_s"] - c1["cpu_expert_s"]) / experts
     return out
 
 
@@ -152,7 +155,7 @@ OTHER_ARMS = [
 def freetoken_arm(model_dir, args, name, kw) -> dict:
     from freetoken import LLM
     kw = dict(device=args.device, dtype=args.dtype, max_model_len=max(512, args.prefill_tokens + 64),
-              **kw)
+              moe_cpu_threads=args.moe_cpu_threads, **kw)
     if kw["moe_backend"] not in ("resident", "cpu"):       # the backends with a cache
         if args.cache_slots:        # --quant: bf16's byte budget, in quantized experts
             kw["moe_cache_size"] = args.cache_slots
@@ -249,6 +252,7 @@ def main(argv=None) -> int:
                    "prompt this long, tokens/s (0: skip)")
     p.add_argument("--arms", help="comma-separated arm names to run (default: all), e.g. "
                    "resident,offload-lfu-decay,cpu")
+    p.add_argument("--moe-cpu-threads", type=int, help="the CPU experts' threads (default: torch's)")
     p.add_argument("--accelerate-gpu-gb", type=float, default=4.0,
                    help="accelerate's GPU budget (dense + about 25%% of experts)")
     p.add_argument("--skip-transformers", action="store_true")

@@ -16,12 +16,10 @@ compiler there (cc -O3 -march=native -fopenmp: this CPU's vector width, AVX2 or 
 into ~/.cache/freetoken/native (FREETOKEN_CACHE overrides the root), keyed by the sources,
 the compiler, the CPU's flags and the OpenMP runtime it links to: torch's own, the file this
 process loaded (_openmp_runtime), so the kernels' parallel regions run on torch's pool. Linked
-to the system's libgomp instead, a torch wheel whose libgomp has a hashed soname
-(libgomp-<hash>.so.1) leaves two OpenMP runtimes in the process, each one's team spinning
-after its regions on the cores the other needs (pytorch#98836): on a 16-core H200 host one
-MoE layer of top-8 took 16 ms at 16 threads and 4 ms at 8, where the engine, its calls
-spaced by the GPU's work, ran the same layer at ~92 GB/s (0.8 ms). Where there is no
-compiler or the build fails,
+by the soname libgomp.so.1 instead, next to a torch wheel whose libgomp has a hashed soname
+(libgomp-<hash>.so.1) it would load the system's: two OpenMP runtimes in the process, each
+one's team spinning after its regions on the cores the other needs (pytorch#98836). Where
+there is no compiler or the build fails,
 `native_kernels()` is None and the experts and projections keep their torch paths (a warning
 says why, once).
 """

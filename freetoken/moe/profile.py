@@ -99,7 +99,8 @@ def measure_profile(device: torch.device, hidden: int = 2048, width: int = 768,
             bank.normal_(0, 0.02)
         # The CPU computes a hybrid layer's experts from its packed copy (the native kernel's
         # in place, or the fp16-weight GEMM's beside it): measure that product, not the
-        # torch reference on the raw bank (0.3 GB/s with torch 2.11's bf16 on an H200 host).
+        # torch reference on the raw bank (16-bit torch products on the CPU: several times
+        # slower, and hybrid's K would be set from them).
         store.pack_cpu_copy(0, host_available_bytes() // 2)
         pool = layout.empty(top_k, device=device)
         progress(f"expert fetch and CPU experts ({num_experts} experts of "

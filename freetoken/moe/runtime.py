@@ -117,6 +117,7 @@ class MoeRuntime:
         self._rank_used: list[int] = []       # it was made, and how often the layer used it
         self.cpu_experts = {l: 0 for l in moe_layers}
         self.cpu_seconds = 0.0          # wall time of the CPU's expert products (all layers)
+        self.cpu_calls = 0              # ... and how many calls they were
         self.waves = {l: 0 for l in moe_layers}         # waves run (layer steps in waves only)
         self.wave_steps = {l: 0 for l in moe_layers}    # layer steps that ran in waves
         self.wave_evictions = 0     # experts a layer's later waves evicted from its earlier ones
@@ -164,6 +165,7 @@ class MoeRuntime:
         self._rank_guessed, self._rank_used = [], []
         self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
         self.cpu_seconds = 0.0
+        self.cpu_calls = 0
         self.waves = dict.fromkeys(self.waves, 0)
         self.wave_steps = dict.fromkeys(self.wave_steps, 0)
         self.wave_evictions = self.wave_refetches = 0
@@ -267,6 +269,7 @@ class MoeRuntime:
         with torch_threads(self.cfg.cpu_threads):
             out = cpu_moe(self.store.layout, x_h, self.store.cpu_bank(layer), w_h, ids_h, experts)
         self.cpu_seconds += time.perf_counter() - t0
+        self.cpu_calls += 1
         return out
 
     def _rank(self, guess_h: torch.Tensor, guess_w_h: torch.Tensor) -> list[int]:
