@@ -212,3 +212,61 @@ def test_bench_bw_measures_the_cpu_experts_the_runtime_runs(capsys):
     e = json.loads(capsys.readouterr().out)["experts"]
     assert e["cpu_packed"] is (tk.native_kernels() is not None or tk.packable(torch.ones(1).bfloat16()))
     assert e["cpu_expert_gbps"] > 0
+
+
+@pytest.mark.parametrize("claim", ["cpu slower than it is", "cpu faster than it is"])
+def test_hybrid_takes_the_cpu_cost_it_measures_while_serving(ckpt, claim):
+    # A profile read in other conditions than serving's sets K wrong; the runtime times its
+    # CPU calls and, a window of them in, takes the measured cost and K from it. Measured,
+    # a CPU expert of this checkpoint takes ~0.1 ms, orders of magnitude off either claim.
+    from freetoken.moe.live_costs import LiveCpuCost
+    _, want = run(ckpt)
+    if claim == "cpu slower than it is":
+        write_profile(fetch_gbps=0.001, cpu_gbps=0.0002)    # fetch 25 ms, CPU 123: fetch both
+        k_start, k_served = 2, 0                             # CPU ~0.1 ms: compute both
+    else:
+        write_profile(fetch_gbps=100.0, cpu_gbps=1e4)       # CPU 100x cheaper than a fetch
+        k_start, k_served = 0, 2                             # CPU ~0.1 ms, fetch 0.25 us
+    llm = LLM(ckpt, skip_tokenizer_init=True, max_prefill_length=16, moe_backend="hybrid",
+              moe_cache_size=8)
+    rt = llm.runner.moe
+    assert rt.hybrid_k == k_start and "profile" in rt.hybrid_k_source
+    rt.live_cpu = LiveCpuCost(window=4, probe_every=2)      # injected: a short window
+    got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    report = llm.runner.moe_report()
+    assert got == want
+    assert report["hybrid_k"] == k_served, report["hybrid_k_source"]
+    assert report["counters"]["cpu_cost_revisions"] >= 1
+    assert "measured while serving" in report["hybrid_k_source"]
+
+
+def test_a_fixed_hybrid_k_is_never_revised(ckpt):
+    from freetoken.moe.live_costs import LiveCpuCost
+    write_profile(fetch_gbps=0.001, cpu_gbps=0.0002)
+    llm = LLM(ckpt, skip_tokenizer_init=True, max_prefill_length=16, moe_backend="hybrid",
+              moe_cache_size=8, moe_hybrid_k=1)
+    llm.runner.moe.live_cpu = LiveCpuCost(window=2, probe_every=1)
+    llm.generate(PROMPTS, PARAMS)
+    report = llm.runner.moe_report()
+    assert report["hybrid_k"] == 1 and report["hybrid_k_source"] == "moe_hybrid_k=1"
+    assert report["counters"]["cpu_cost_revisions"] == 0
+
+
+def test_live_cpu_cost_window_ratio_rows_and_probes():
+    from freetoken.moe.live_costs import FEW_ROWS, LiveCpuCost
+    live = LiveCpuCost(window=3, probe_every=2)
+    live.observe(1.0, [FEW_ROWS + 1, 1])        # a busy expert: compute-bound, not a sample
+    assert live.fresh == 0 and live.revised(1.0) is None
+    for seconds in (0.02, 0.03, 0.01):          # per expert: 0.01, 0.015, 0.005
+        live.observe(seconds, [1, 2])
+    assert live.revised(0.012) is None          # median 0.01 within 1.5x of 0.012: kept
+    for seconds in (0.02, 0.03, 0.01):
+        live.observe(seconds, [1, 2])
+    assert live.revised(0.1) == pytest.approx(0.01) and live.revisions == 1
+    assert live.revised(0.1) is None            # no fresh window since
+    assert not live.wants_probe()
+    live.step()
+    live.step()
+    assert live.wants_probe()
+    live.observe(0.01, [1])
+    assert not live.wants_probe()

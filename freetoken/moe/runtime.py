@@ -41,6 +41,7 @@ from freetoken.moe.bandwidth import ExpertBench, ExpertCosts, host_copy_gbps
 from freetoken.moe.cache import ExpertCache
 from freetoken.moe.config import MoeConfig
 from freetoken.moe.cpu import cpu_moe, torch_threads
+from freetoken.moe.live_costs import LiveCpuCost
 from freetoken.moe.overlap import PrefetchWindow
 from freetoken.moe.plan import MoePlan, hybrid_fetch_count, hybrid_k
 from freetoken.moe.policy import make_policy
@@ -118,6 +119,7 @@ class MoeRuntime:
         self.cpu_experts = {l: 0 for l in moe_layers}
         self.cpu_seconds = 0.0          # wall time of the CPU's expert products (all layers)
         self.cpu_calls = 0              # ... and how many calls they were
+        self.live_cpu = LiveCpuCost()   # hybrid's CPU cost as serving measures it
         self.waves = {l: 0 for l in moe_layers}         # waves run (layer steps in waves only)
         self.wave_steps = {l: 0 for l in moe_layers}    # layer steps that ran in waves
         self.wave_evictions = 0     # experts a layer's later waves evicted from its earlier ones
@@ -198,6 +200,8 @@ class MoeRuntime:
             self.cpu_experts[layer] += len(needed)
             return self._cpu(layer, x_h, w_h, ids_h, None).to(x.device)
 
+        if mode == "hybrid":
+            self.live_cpu.step()
         budget = self._fetch_budget(layer, needed, counts) if mode == "hybrid" else None
         if self.window is not None:
             self.window.closed(layer, rows)
@@ -221,7 +225,10 @@ class MoeRuntime:
             out = self._kernel(layer, x, weights.masked_fill(off, 0),
                                ids.masked_fill(off, on_device[0]))
         self.cpu_experts[layer] += len(res.skipped)
+        before = self.cpu_seconds
         cpu_out = self._cpu(layer, x_h, w_h, ids_h, res.skipped).to(x.device)
+        self.live_cpu.observe(self.cpu_seconds - before, [counts[e] for e in res.skipped])
+        self._revise_cpu_cost()
         return cpu_out if out is None else out + cpu_out
 
     def _waves(self, layer, x, weights, ids, host, resident, fetch, cpu_part, prefetch):
@@ -258,7 +265,29 @@ class MoeRuntime:
             return self.hybrid_k
         c = self.costs[self._staged(layer)]
         rows = [counts[e] for e in needed if (layer, e) not in self.cache.slot_of]
-        return hybrid_fetch_count(rows, c.fetch_s, c.cpu_cost, c.stage_s)
+        budget = hybrid_fetch_count(rows, c.fetch_s, c.cpu_cost, c.stage_s)
+        if budget == len(rows) and rows and self.live_cpu.wants_probe():
+            budget -= 1         # the least busy miss to the CPU: a sample of its cost
+        return budget
+
+    def _revise_cpu_cost(self) -> None:
+        """Take the CPU's cost as serving measures it where it is far from the startup one,
+        and K from it (live_costs.py)."""
+        if self.cfg.hybrid_k is not None or not self.costs:
+            return
+        old = next(iter(self.costs.values()))
+        cpu_s = self.live_cpu.revised(old.cpu_s)
+        if cpu_s is None:
+            return
+        source = (f"CPU measured while serving, the median of {self.live_cpu.window} calls; at "
+                  f"startup {old.cpu_s * 1e3:.3f} ms/expert, {old.source}")
+        self.costs = {kind: dataclasses.replace(c, cpu_s=cpu_s, source=source)
+                      for kind, c in self.costs.items()}
+        costs = self.costs[self._staged(self.plan.cache_layers[0])]
+        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s, costs.stage_s)
+        log.info("hybrid: a CPU expert takes %.3f ms while serving, not %.3f: K %s -> %s",
+                 cpu_s * 1e3, old.cpu_s * 1e3, self.hybrid_k, k)
+        self.hybrid_k, self.hybrid_k_source = k, costs.words()
 
     def _kernel(self, layer, x, weights, ids) -> torch.Tensor:
         c = self.cache
