@@ -171,6 +171,9 @@ def freetoken_arm(model_dir, args, name, kw) -> dict:
     if llm.runner.moe is not None:
         out["cache"] = report["cache"]
         out["backend"], out["hybrid_k"], out["reason"] = report["backend"], report["hybrid_k"], report["reason"]
+        if report["counters"]["cpu_cost_revisions"]:     # K revised from the CPU it measured
+            out["cpu_cost_revisions"] = report["counters"]["cpu_cost_revisions"]
+            out["reason"] += f"; K now from: {report['hybrid_k_source']}"
         windows = [p["prefetch_window_us"] for p in report["counters"]["per_layer"]
                    if p["prefetch_window_us"] is not None]
         if windows:     # auto prefetch: the link's idle time per layer it measured (after batch 8)

@@ -120,6 +120,7 @@ class MoeRuntime:
         self.cpu_seconds = 0.0          # wall time of the CPU's expert products (all layers)
         self.cpu_calls = 0              # ... and how many calls they were
         self.live_cpu = LiveCpuCost()   # hybrid's CPU cost as serving measures it
+        self._startup_cpu = None        # (cpu_s, source) before its first revision
         self.waves = {l: 0 for l in moe_layers}         # waves run (layer steps in waves only)
         self.wave_steps = {l: 0 for l in moe_layers}    # layer steps that ran in waves
         self.wave_evictions = 0     # experts a layer's later waves evicted from its earlier ones
@@ -279,8 +280,10 @@ class MoeRuntime:
         cpu_s = self.live_cpu.revised(old.cpu_s)
         if cpu_s is None:
             return
+        self._startup_cpu = self._startup_cpu or (old.cpu_s, old.source)
+        first_s, first_source = self._startup_cpu
         source = (f"CPU measured while serving, the median of {self.live_cpu.window} calls; at "
-                  f"startup {old.cpu_s * 1e3:.3f} ms/expert, {old.source}")
+                  f"startup {first_s * 1e3:.3f} ms/expert, {first_source}")
         self.costs = {kind: dataclasses.replace(c, cpu_s=cpu_s, source=source)
                       for kind, c in self.costs.items()}
         costs = self.costs[self._staged(self.plan.cache_layers[0])]
