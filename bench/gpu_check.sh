@@ -76,36 +76,36 @@ offload)
   timeout 420 python3 bench/offload.py --workdir /tmp --out "$OUT/offload.json" 2>&1 | tee "$OUT/offload.txt"
   ;;
 cpu-experts)
-  # #21's CPU side on this host: `ft bench bw` (the profile hybrid and auto read), one MoE
-  # layer's CPU products alone at the offload model's shape, then the arms that use the CPU.
-  # The model is built first, not beside the CPU measurements: its random weights keep every
-  # core busy (on 2026-12-04 bw and cpu_moe ran beside it and read 4-5 GB/s where the engine,
-  # after it, ran the CPU experts at ~92).
+  # #21's CPU side on this host (timeouts summing to 520 s): `ft bench bw` (the profile
+  # hybrid and auto read), one MoE layer's CPU products alone at the offload model's shape,
+  # then the arms that use the CPU. The model is built first, not beside the CPU
+  # measurements: its random weights keep every core busy (on 2026-12-04 bw and cpu_moe ran
+  # beside it and read 4-5 GB/s where the engine, after it, ran the CPU experts at ~92).
   echo "== the offload model"
-  timeout 240 python3 bench/offload.py --model /tmp/offload-model --build-only 2>&1 | tail -3
+  timeout 180 python3 bench/offload.py --model /tmp/offload-model --build-only 2>&1 | tail -3
   echo "== ft bench bw"
   timeout 40 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
   echo "== one MoE layer on the CPU (128 experts, D 2048, I 768)"
   timeout 50 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1,8,16 \
     --formats "" --arms "bf16 native,bf16 packed" --reps 5 2>&1 | tee "$OUT/cpu_moe.txt"
   for threads in 15 8; do       # all cores but one, half: a team fighting other threads?
-    timeout 30 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1 \
+    timeout 25 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1 \
       --formats "" --arms "bf16 native" --reps 5 --threads $threads 2>&1 | tee -a "$OUT/cpu_moe.txt"
   done
   echo "== bench/offload.py: the arms that compute experts on the CPU"
-  timeout 130 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
+  timeout 120 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
     --decode-tokens 16 --batches 1,8,16 --out "$OUT/offload.json" \
     --arms cpu,hybrid,auto,resident 2>&1 | tee "$OUT/offload.txt"
   echo "== the same, the CPU experts on all cores but one"
-  timeout 90 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
+  timeout 80 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
     --decode-tokens 16 --batches 1,8 --prefill-tokens 0 --arms cpu,hybrid \
     --moe-cpu-threads $(( $(nproc) - 1 )) 2>&1 | tee -a "$OUT/offload.txt"
   ;;
 session)
-  # A whole 15-minute lease in one call (~9 min; run it with timeout_s 580): the parts above,
-  # trimmed, in the order that matters if time runs out; the offload model is written in the
-  # background while the kernel tests run. At most 8 files come back: env, kernel_tests,
-  # bw, build, offload.txt/.json, kernels.
+  # A whole 15-minute lease in one call (~5 min; timeouts summing to 565 s: run it with
+  # timeout_s 580): the parts above, trimmed, in the order that matters if time runs out;
+  # the offload model is written in the background while the kernel tests run. At most 8
+  # files come back: env, kernel_tests, bw, build, offload.txt/.json, kernels.
   (timeout 240 python3 bench/offload.py --model /tmp/offload-model --build-only \
      > "$OUT/build.txt" 2>&1) &
   BUILD=$!
@@ -118,13 +118,13 @@ session)
   echo "== ft bench bw"
   timeout 45 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
   echo "== bench/offload.py (the cpu arm: #21's CPU experts with attention on the GPU)"
-  timeout 230 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
+  timeout 190 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
     --decode-tokens 16 --batches 1,8,16 --out "$OUT/offload.json" \
     --arms resident,cpu,offload-lfu-decay,hybrid,auto,offload-lru-noprefetch,offload-lfu-decay-prefetch-all \
     2>&1 | tee "$OUT/offload.txt"
   echo "== kernel microbenchmarks"
-  timeout 60 python3 bench/kernels.py --dtype bf16 --ops fused_moe --rounds 3 2>&1 | tee "$OUT/kernels.txt"
-  timeout 40 python3 bench/kernels.py --dtype bf16 --rounds 3 \
+  timeout 50 python3 bench/kernels.py --dtype bf16 --ops fused_moe --rounds 3 2>&1 | tee "$OUT/kernels.txt"
+  timeout 30 python3 bench/kernels.py --dtype bf16 --rounds 3 \
     --ops rms_norm,rope,silu_and_mul,topk_softmax,write_kv,paged_attention 2>&1 | tee -a "$OUT/kernels.txt"
   ;;
 *)

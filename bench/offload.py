@@ -215,6 +215,9 @@ def transformers_arms(model_dir, args) -> list[dict]:
     return arms
 
 
+SKEWED = "skewed-routers"       # in a kept --model: the skewed pass rewrote its routers
+
+
 def _print_arm(a: dict) -> None:
     print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in a.items() if k not in ("cache", "reason")), flush=True)
@@ -310,15 +313,16 @@ def main(argv=None) -> int:
                                "bf16_cache_slots": int(args.cache_rate * n)}
         report["active_expert_bytes_per_token"] = expert_bytes * sum(b.top_k for b in blocks.values())
         for routing in ("uniform", "skewed"):
-            if routing == "skewed":
-                from freetoken.demo.tiny_model import skew_routers
-                skew_routers(model_dir)
             todo = ([("resident", dict(moe_backend="resident"))] if routing == "uniform" else [])
             todo += OFFLOAD_ARMS + (OTHER_ARMS if routing == "uniform" else [])
             if wanted is not None:      # --arms' order: the ones that matter first
                 todo = sorted((a for a in todo if a[0] in wanted), key=lambda a: order.index(a[0]))
             if not todo:
                 continue
+            if routing == "skewed":     # in place: a kept --model is marked, not reused as uniform
+                from freetoken.demo.tiny_model import skew_routers
+                skew_routers(model_dir)
+                (model_dir / SKEWED).touch()
             print(f"== {routing} routing", flush=True)
             arms = report["routing"][routing] = []
             for name, kw in todo:
@@ -342,20 +346,28 @@ def main(argv=None) -> int:
 def build_model(model_dir: Path, args) -> int | None:
     """The checkpoint in model_dir (built unless it holds one); returns the bf16 expert bytes
     when --quant re-encodes it (the cache's byte budget), else None."""
+    import shutil
+
     from freetoken.demo.tiny_model import make_tiny_model
     from freetoken.models.loader import init_model
-    if (model_dir / "config.json").exists():
+    if (model_dir / SKEWED).exists():
+        raise SystemExit(f"{model_dir}: an earlier run skewed its routers in place; its uniform "
+                         "figures would be skewed ones. Delete the folder to build it again.")
+    if model_dir.exists():          # only a whole build is ever renamed to model_dir
         return json.loads((model_dir / "float_expert_bytes.json").read_text()) \
             if (model_dir / "float_expert_bytes.json").exists() else None
-    make_tiny_model(model_dir, family=args.family, seed=0, dtype=args.dtype, **SHAPES[args.scale])
-    if not args.quant:
-        return None
-    # The family's own expert layout (gpt-oss adds biases), read off the meta-built model.
-    blocks = init_model(model_dir, args.dtype)[0].moe_blocks()
-    float_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
-    from freetoken.models.quant.encode import quantize_checkpoint
-    quantize_checkpoint(model_dir, args.quant)
-    (model_dir / "float_expert_bytes.json").write_text(json.dumps(float_bytes))
+    partial = model_dir.with_name(model_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)      # a build cut short before
+    make_tiny_model(partial, family=args.family, seed=0, dtype=args.dtype, **SHAPES[args.scale])
+    float_bytes = None
+    if args.quant:
+        # The family's own expert layout (gpt-oss adds biases), read off the meta-built model.
+        blocks = init_model(partial, args.dtype)[0].moe_blocks()
+        float_bytes = next(iter(blocks.values())).experts.layout.expert_bytes
+        from freetoken.models.quant.encode import quantize_checkpoint
+        quantize_checkpoint(partial, args.quant)
+        (partial / "float_expert_bytes.json").write_text(json.dumps(float_bytes))
+    partial.rename(model_dir)
     return float_bytes
 
 

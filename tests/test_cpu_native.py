@@ -295,3 +295,25 @@ def test_the_kernels_run_on_torchs_openmp_runtime():
                                 text=True).stdout
         name = cpu_native.re.search(r"\(SONAME\)\s+Library soname: \[(.+?)\]", soname)
         assert name and f"[{name.group(1)}]" in dynamic and str(runtime.parent) in dynamic
+
+
+def test_a_runtime_without_the_compilers_symbols_falls_back_to_fopenmp(monkeypatch, tmp_path):
+    # Linked by path with --no-undefined, a runtime that lacks what the compiler's OpenMP code
+    # calls (clang's __kmpc_* against libgomp; here libm, which has no OpenMP at all) fails the
+    # link, and the library is linked by -fopenmp instead: it builds, loads and runs.
+    import ctypes
+    from pathlib import Path
+    libm = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/libm." in line})
+    if not libm:
+        pytest.skip("no libm mapped to stand in for a runtime")
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_openmp_runtime", lambda: Path(libm[0]))
+    path = cpu_native._build()
+    assert path.parent == tmp_path / "native"
+    lib = cpu_native.NativeKernels(ctypes.CDLL(str(path)), path)
+    assert lib.path == path
+    import shutil
+    import subprocess
+    if shutil.which("readelf"):      # linked by -fopenmp: the compiler's own runtime
+        dynamic = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+        assert "gomp" in dynamic and "libm" in dynamic

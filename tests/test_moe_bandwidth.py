@@ -225,7 +225,7 @@ def test_hybrid_takes_the_cpu_cost_it_measures_while_serving(ckpt, claim):
         write_profile(fetch_gbps=0.001, cpu_gbps=0.0002)    # fetch 25 ms, CPU 123: fetch both
         k_start, k_served = 2, 0                             # CPU ~0.1 ms: compute both
     else:
-        write_profile(fetch_gbps=100.0, cpu_gbps=1e4)       # CPU 100x cheaper than a fetch
+        write_profile(fetch_gbps=100.0, cpu_gbps=1e4, gflops=1e6)   # CPU 100x cheaper than a fetch
         k_start, k_served = 0, 2                             # CPU ~0.1 ms, fetch 0.25 us
     llm = LLM(ckpt, skip_tokenizer_init=True, max_prefill_length=16, moe_backend="hybrid",
               moe_cache_size=8)
@@ -255,18 +255,22 @@ def test_a_fixed_hybrid_k_is_never_revised(ckpt):
 def test_live_cpu_cost_window_ratio_rows_and_probes():
     from freetoken.moe.live_costs import FEW_ROWS, LiveCpuCost
     live = LiveCpuCost(window=3, probe_every=2)
-    live.observe(1.0, [FEW_ROWS + 1, 1])        # a busy expert: compute-bound, not a sample
-    assert live.fresh == 0 and live.revised(1.0) is None
-    for seconds in (0.02, 0.03, 0.01):          # per expert: 0.01, 0.015, 0.005
-        live.observe(seconds, [1, 2])
-    assert live.revised(0.012) is None          # median 0.01 within 1.5x of 0.012: kept
-    for seconds in (0.02, 0.03, 0.01):
-        live.observe(seconds, [1, 2])
-    assert live.revised(0.1) == pytest.approx(0.01) and live.revisions == 1
-    assert live.revised(0.1) is None            # no fresh window since
-    assert not live.wants_probe()
+    live.observe(1.0, [FEW_ROWS + 1, 1], 0.5)   # a busy expert: a prefill's call, no sample
+    assert live.fresh == 0 and live.revised() is None
+    for seconds in (0.012, 0.01, 0.014):        # measured / predicted: 1.2, 1.0, 1.4
+        live.observe(seconds, [1, 2], 0.01)
+    assert live.revised() is None               # median 1.2: within 1.5x, kept
+    for seconds in (0.02, 0.03, 0.01):          # 0.2, 0.3, 0.1 of the prediction
+        live.observe(seconds, [1, 2], 0.1)
+    assert live.revised() == pytest.approx(0.2) and live.revisions == 1
+    assert live.revised() is None and not live.ratios      # measured afresh from here
+    # Probes: only after probe_every idle steps, only a miss of a few rows, once.
+    assert not live.probe([3, 1])
     live.step()
     live.step()
-    assert live.wants_probe()
-    live.observe(0.01, [1])
-    assert not live.wants_probe()
+    assert not live.probe([9, FEW_ROWS + 1]) and not live.probe([])
+    assert live.probe([9, 1]) and not live.probe([9, 1])
+    live.step()
+    live.step()
+    live.observe(0.01, [1], 0.01)               # a sample resets the wait as well
+    assert not live.probe([1])

@@ -748,7 +748,11 @@ def native_kernels() -> NativeKernels | None:
     """The built library, or None (no C compiler, a failed build, not Linux)."""
     try:
         path = _build()
-        return NativeKernels(ctypes.CDLL(str(path)), path)
+        try:
+            return NativeKernels(ctypes.CDLL(str(path)), path)
+        except OSError:
+            path.unlink(missing_ok=True)     # not left cached for the next process to fail on
+            raise
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("CPU: the native kernels are not available (%s); the experts run on "
                     "torch's one-thread products, projections on torch's", exc)
@@ -788,9 +792,12 @@ def _openmp_runtime() -> Path | None:
             paths = {line.split()[-1] for line in f if line.rstrip().endswith(".so") or ".so." in line}
     except OSError:
         return None
-    found = [Path(p) for p in paths if re.search(r"/lib(gomp|iomp5|omp)\b[-.\w]*\.so[.\d]*$", p)]
+    found = [Path(p) for p in paths if re.search(r"/lib(gomp|iomp5|omp)\b[-.\w]*\.so[.\d]*$", p)
+             and "-plugin-" not in p]            # not libgomp-plugin-nvptx, an offload plugin
+    # torch's own: in its lib folder, or in the torch.libs folder beside it (auditwheel's)
     torch_dir = Path(torch.__file__).resolve().parent
-    found.sort(key=lambda p: (torch_dir not in p.resolve().parents, str(p)))
+    own = (torch_dir, torch_dir.parent / "torch.libs")
+    found.sort(key=lambda p: (not any(d in p.resolve().parents for d in own), str(p)))
     return found[0] if found else None
 
 
@@ -816,26 +823,38 @@ def _build() -> Path:
         # Compiled with -fopenmp; linked without it where torch's runtime is known (-fopenmp
         # at the link would add the system's -lgomp), to that file by path: its soname is the
         # one already loaded, and the rpath finds it again in a process that has not.
-        link = (["-fopenmp"] if runtime is None else
-                [str(runtime), f"-Wl,-rpath,{runtime.parent}"])
+        # --no-undefined: a runtime that lacks a symbol the compiler's OpenMP calls (clang's
+        # __kmpc_* against libgomp) fails here, and the build links by -fopenmp instead.
         objects = [str(Path(tmp) / (Path(name).stem + ".o")) for name in _SOURCES]
         _run([[cc, *_FLAGS, "-c", str(_HERE / name), "-o", obj]       # at once, on every core
               for name, obj in zip(_SOURCES, objects)])
-        _run([[cc, "-shared", "-o", str(built), *objects, *link, "-lm"]])
+        link = [cc, "-shared", "-o", str(built), *objects]
+        try:
+            if runtime is None:
+                raise RuntimeError("no OpenMP runtime of torch's to link to")
+            _run([[*link, str(runtime), f"-Wl,-rpath,{runtime.parent}", "-Wl,--no-undefined",
+                   "-lm"]])
+        except RuntimeError:
+            _run([[*link, "-fopenmp", "-lm"]])
         os.replace(built, target)
     return target
 
 
 def _run(cmds: list[list[str]]) -> None:
-    """Run the commands side by side; a failure raises with the first failed one's errors."""
+    """Run the commands side by side; a failure raises with the first failed one's errors,
+    and no command is left running behind it (a timeout included)."""
     procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for cmd in cmds]
-    for cmd, proc in zip(cmds, procs):
-        _, err = proc.communicate(timeout=120)
-        if proc.returncode != 0:
-            for other in procs:
-                other.kill()
-            raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-500:]}")
+    try:
+        for cmd, proc in zip(cmds, procs):
+            _, err = proc.communicate(timeout=120)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-500:]}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
 def _describe(w) -> str:

@@ -7,11 +7,13 @@ the DMA of the fetches sharing the host's memory), and a wrong CPU cost sets the
 the life of the server: on an H200 host a profile read beside a busy process put a CPU
 expert at 1.9 ms where serving then ran it at ~0.1, and hybrid fetched 7 misses of 8.
 
-So the runtime times each hybrid CPU call whose experts have a few rows each (their cost is
-the read of their weights, cpu_s), and once a window of such calls is in, compares their
-median cost per expert with the one it splits by: off by more than RATIO either way, it takes
-the measured one and recomputes K. Where the CPU computes nothing (every miss fetched), one
-miss in `probe_every` layer steps is left to it, so there is always something to measure.
+So the runtime times each hybrid CPU call whose experts have a few rows each (decode's calls,
+whose cost is mostly the read of their weights) against what its costs predicted for them,
+and once a window of such calls is in, takes their median ratio: off by more than RATIO either
+way, the CPU's costs are scaled by it and K recomputed. Where the CPU computes nothing (every
+miss fetched), one miss of a few rows is left to it once in `probe_every` layer steps, so there
+is something to measure. auto that chose offload (the CPU priced out at startup) has no CPU
+calls to time and is not revisited.
 """
 
 from __future__ import annotations
@@ -24,38 +26,45 @@ RATIO = 1.5         # how far the measured cost may be from the assumed one befo
 
 
 class LiveCpuCost:
-    """The CPU's cost of one expert of a few rows, from the last `window` hybrid CPU calls."""
+    """How the CPU's expert costs compare with what serving measures: the ratio of measured to
+    predicted time of the last `window` few-row hybrid CPU calls."""
 
     def __init__(self, window: int = 32, probe_every: int = 256):
         self.window, self.probe_every = window, probe_every
-        self.samples: collections.deque[float] = collections.deque(maxlen=window)
+        self.ratios: collections.deque[float] = collections.deque(maxlen=window)
         self.fresh = 0              # samples since the last comparison
-        self.idle_steps = 0         # hybrid layer steps since the last sample
+        self.idle_steps = 0         # hybrid layer steps since the last sample or probe
         self.revisions = 0
 
     def step(self) -> None:
         """A hybrid layer step began."""
         self.idle_steps += 1
 
-    def wants_probe(self) -> bool:
-        """Whether this step should leave a miss to the CPU that K would fetch."""
-        return self.idle_steps >= self.probe_every
+    def probe(self, rows: list[int]) -> bool:
+        """Whether this step, whose misses K fetches all (rows: each miss's, busiest first),
+        leaves its last miss to the CPU: it has a few rows and no sample came for a while."""
+        if not rows or rows[-1] > FEW_ROWS or self.idle_steps < self.probe_every:
+            return False
+        self.idle_steps = 0
+        return True
 
-    def observe(self, seconds: float, rows: list[int]) -> None:
-        """One CPU call: its wall time and the rows of each expert it computed."""
-        if rows and max(rows) <= FEW_ROWS:
-            self.samples.append(seconds / len(rows))
+    def observe(self, seconds: float, rows: list[int], predicted: float) -> None:
+        """One CPU call: its wall time, the rows of each expert it computed, and the time the
+        costs predicted for it."""
+        if rows and max(rows) <= FEW_ROWS and predicted > 0:
+            self.ratios.append(seconds / predicted)
             self.fresh += 1
             self.idle_steps = 0
 
-    def revised(self, cpu_s: float) -> float | None:
-        """The measured cost per expert, when a window of fresh calls puts it more than RATIO
-        away from cpu_s; else None."""
+    def revised(self) -> float | None:
+        """The factor to scale the CPU's costs by, when a window of fresh calls puts their
+        median ratio beyond RATIO either way; else None."""
         if self.fresh < self.window:
             return None
         self.fresh = 0
-        measured = statistics.median(self.samples)
-        if cpu_s / RATIO <= measured <= cpu_s * RATIO:
+        ratio = statistics.median(self.ratios)
+        if 1 / RATIO <= ratio <= RATIO:
             return None
         self.revisions += 1
-        return measured
+        self.ratios.clear()         # the next window is measured against the revised costs
+        return ratio

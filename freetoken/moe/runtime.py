@@ -120,7 +120,7 @@ class MoeRuntime:
         self.cpu_seconds = 0.0          # wall time of the CPU's expert products (all layers)
         self.cpu_calls = 0              # ... and how many calls they were
         self.live_cpu = LiveCpuCost()   # hybrid's CPU cost as serving measures it
-        self._startup_cpu = None        # (cpu_s, source) before its first revision
+        self._startup_cpu = None        # the CPU's costs before their first revision
         self.waves = {l: 0 for l in moe_layers}         # waves run (layer steps in waves only)
         self.wave_steps = {l: 0 for l in moe_layers}    # layer steps that ran in waves
         self.wave_evictions = 0     # experts a layer's later waves evicted from its earlier ones
@@ -226,10 +226,7 @@ class MoeRuntime:
             out = self._kernel(layer, x, weights.masked_fill(off, 0),
                                ids.masked_fill(off, on_device[0]))
         self.cpu_experts[layer] += len(res.skipped)
-        before = self.cpu_seconds
-        cpu_out = self._cpu(layer, x_h, w_h, ids_h, res.skipped).to(x.device)
-        self.live_cpu.observe(self.cpu_seconds - before, [counts[e] for e in res.skipped])
-        self._revise_cpu_cost()
+        cpu_out = self._timed_cpu(layer, x_h, w_h, ids_h, res.skipped, counts).to(x.device)
         return cpu_out if out is None else out + cpu_out
 
     def _waves(self, layer, x, weights, ids, host, resident, fetch, cpu_part, prefetch):
@@ -249,7 +246,8 @@ class MoeRuntime:
         self._wave_evicted.update((layer, e) for e in st.self_evicted)
         if cpu_part:
             self.cpu_experts[layer] += len(cpu_part)
-            out += self._cpu(layer, x_h, w_h, ids_h, cpu_part).to(x.device).float()
+            counts = expert_rows(ids_h, self.store.num_experts)
+            out += self._timed_cpu(layer, x_h, w_h, ids_h, cpu_part, counts).to(x.device).float()
         return out.to(x.dtype)
 
     def _count_refetches(self, layer: int, fetched: list[int]) -> None:
@@ -267,29 +265,38 @@ class MoeRuntime:
         c = self.costs[self._staged(layer)]
         rows = [counts[e] for e in needed if (layer, e) not in self.cache.slot_of]
         budget = hybrid_fetch_count(rows, c.fetch_s, c.cpu_cost, c.stage_s)
-        if budget == len(rows) and rows and self.live_cpu.wants_probe():
+        if budget == len(rows) and self.live_cpu.probe(rows):
             budget -= 1         # the least busy miss to the CPU: a sample of its cost
         return budget
 
+    def _timed_cpu(self, layer, x_h, w_h, ids_h, experts, counts) -> torch.Tensor:
+        """A hybrid layer's CPU share, timed against what its costs predicted (live_costs.py)."""
+        before = self.cpu_seconds
+        out = self._cpu(layer, x_h, w_h, ids_h, experts)
+        if self.costs and self.cfg.hybrid_k is None:
+            rows = [counts[e] for e in experts]
+            c = self.costs[self._staged(layer)]
+            self.live_cpu.observe(self.cpu_seconds - before, rows, sum(map(c.cpu_cost, rows)))
+            self._revise_cpu_cost()
+        return out
+
     def _revise_cpu_cost(self) -> None:
-        """Take the CPU's cost as serving measures it where it is far from the startup one,
-        and K from it (live_costs.py)."""
-        if self.cfg.hybrid_k is not None or not self.costs:
+        """Scale the CPU's costs by what serving measures where they are far off, and take K
+        from them (live_costs.py)."""
+        ratio = self.live_cpu.revised()
+        if ratio is None:
             return
-        old = next(iter(self.costs.values()))
-        cpu_s = self.live_cpu.revised(old.cpu_s)
-        if cpu_s is None:
-            return
-        self._startup_cpu = self._startup_cpu or (old.cpu_s, old.source)
-        first_s, first_source = self._startup_cpu
-        source = (f"CPU measured while serving, the median of {self.live_cpu.window} calls; at "
-                  f"startup {first_s * 1e3:.3f} ms/expert, {first_source}")
-        self.costs = {kind: dataclasses.replace(c, cpu_s=cpu_s, source=source)
+        first = self._startup_cpu = self._startup_cpu or next(iter(self.costs.values()))
+        source = (f"CPU measured while serving: {ratio:.3g}x the costs it ran by, the median of "
+                  f"{self.live_cpu.window} calls; at startup {first.cpu_s * 1e3:.3f} ms/expert, "
+                  f"{first.source}")
+        self.costs = {kind: dataclasses.replace(c, cpu_s=c.cpu_s * ratio,
+                                                cpu_row_s=c.cpu_row_s * ratio, source=source)
                       for kind, c in self.costs.items()}
         costs = self.costs[self._staged(self.plan.cache_layers[0])]
-        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s, costs.stage_s)
-        log.info("hybrid: a CPU expert takes %.3f ms while serving, not %.3f: K %s -> %s",
-                 cpu_s * 1e3, old.cpu_s * 1e3, self.hybrid_k, k)
+        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_cost(1), costs.stage_s)
+        log.info("hybrid: the CPU's experts take %.3gx the time they were priced at while "
+                 "serving: %.3f ms/expert, K %s -> %s", ratio, costs.cpu_s * 1e3, self.hybrid_k, k)
         self.hybrid_k, self.hybrid_k_source = k, costs.words()
 
     def _kernel(self, layer, x, weights, ids) -> torch.Tensor:
@@ -367,7 +374,7 @@ class MoeRuntime:
             return
         self._measure_costs()
         costs = self.costs[self._staged(self.plan.cache_layers[0])]
-        self.hybrid_k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s, costs.stage_s)
+        self.hybrid_k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_cost(1), costs.stage_s)
         self.hybrid_k_source = costs.words()
 
     def _refine_auto(self) -> None:
@@ -375,7 +382,7 @@ class MoeRuntime:
         miss computed on the CPU and take hybrid when the CPU should share the misses."""
         self._measure_costs()
         costs = self.costs[self._staged(self.plan.cache_layers[0])]
-        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_s, costs.stage_s)
+        k = hybrid_k(self.top_k, costs.fetch_s, costs.cpu_cost(1), costs.stage_s)
         if k >= self.top_k:
             reason = f"{self.plan.reason}; offload: {costs.words()}, so every miss is fetched"
             self.plan = dataclasses.replace(self.plan, reason=reason)
