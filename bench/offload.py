@@ -165,6 +165,11 @@ def freetoken_arm(model_dir, args, name, kw) -> dict:
     out = {"arm": f"freetoken-{name}"}
     for batch in args.batches:
         out.update({f"{k}_b{batch}": v for k, v in decode_run(llm, batch, args.decode_tokens).items()})
+        if llm.runner.moe is not None:  # auto prefetch: the link's idle time a layer, this batch's
+            windows = [p["prefetch_window_us"] for p in llm.runner.moe_report()["counters"]["per_layer"]
+                       if p["prefetch_window_us"] is not None]
+            if windows:
+                out[f"prefetch_window_us_b{batch}"] = sum(windows) / len(windows)
     if args.prefill_tokens:
         out["prefill_tok_s"] = prefill_run(llm, args.prefill_tokens)
     report = llm.runner.moe_report()
@@ -174,10 +179,6 @@ def freetoken_arm(model_dir, args, name, kw) -> dict:
         if report["counters"]["cpu_cost_revisions"]:     # K revised from the CPU it measured
             out["cpu_cost_revisions"] = report["counters"]["cpu_cost_revisions"]
             out["reason"] += f"; K now from: {report['hybrid_k_source']}"
-        windows = [p["prefetch_window_us"] for p in report["counters"]["per_layer"]
-                   if p["prefetch_window_us"] is not None]
-        if windows:     # auto prefetch: the link's idle time per layer it measured (after batch 8)
-            out["prefetch_window_us"] = sum(windows) / len(windows)
         by_rank = report["counters"]["prefetch_accuracy_by_rank"][:8]
         if by_rank:     # how often the likeliest guess, the next, ... was right
             out["guess_accuracy_by_rank"] = " ".join(f"{a:.2f}" for a in by_rank)
