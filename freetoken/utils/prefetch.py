@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger("freetoken.prefetch")
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -72,7 +74,9 @@ def resident_pages(path: Path) -> tuple[int, int]:
             vec = (ctypes.c_ubyte * total)()
             if lib.mincore(addr, size, vec) != 0:
                 return 0, total
-            return sum(b & 1 for b in bytes(vec)), total
+            # numpy, not a Python loop over the pages: this runs on a background thread of a
+            # serving process, and 15M pages (a 60 GB checkpoint) took 0.37 s holding the GIL.
+            return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)), total
         finally:
             lib.munmap(addr, size)
     finally:
