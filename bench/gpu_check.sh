@@ -9,7 +9,8 @@
 #   bash bench/gpu_check.sh cpu-experts  # ~5 min: bw, the CPU's MoE products, the CPU arms
 #   bash bench/gpu_check.sh session    # ~9 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
-# A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one.
+# A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one
+# (2026-12-04: session, then cpu-experts + serve, used 765 s of 900).
 # Everything is written under $OUT (or ./gpu-check-out).
 # kernels: kernel tests on CUDA (float16/bfloat16, one fixed config per autotuned kernel) ->
 #   microbenchmarks vs the torch reference and the HBM copy ceiling measured in the same run
@@ -18,10 +19,19 @@
 #   first-request TTFT after ready (no cold compile) at 1/7/100/1000/4000 prompt tokens.
 # offload: `ft bench bw` (saves the profile auto/hybrid read) -> bench/offload.py (builds the
 #   9.7 GB Qwen3-30B-A3B-shaped 8-layer model, then every arm and the transformers baselines).
+# Several parts in one call (`bash bench/gpu_check.sh cpu-experts serve`) each write under
+# $OUT/<part>, packed at the end into $OUT/results.tgz: one file back, not one per result.
 set -uo pipefail
-PART=${1:-kernels}
-OUT=${OUT:-gpu-check-out}
-mkdir -p "$OUT"
+[ $# -gt 0 ] || set -- kernels
+PARTS="kernels serve offload models cpu-experts session"
+for PART in "$@"; do
+  case " $PARTS " in *" $PART "*) ;; *)
+    echo "unknown part $PART: one of $PARTS" >&2
+    exit 2 ;;
+  esac
+done
+ROOT=${OUT:-gpu-check-out}
+mkdir -p "$ROOT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:.
@@ -29,6 +39,12 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1
+
+run_part() {
+PART=$1
+OUT=$ROOT
+[ "$NPARTS" -eq 1 ] || OUT=$ROOT/$PART
+mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   lscpu | grep -E "Model name|^CPU\(s\)|Thread|Socket|NUMA node\(s\)|L3"
@@ -127,9 +143,15 @@ session)
   timeout 30 python3 bench/kernels.py --dtype bf16 --rounds 3 \
     --ops rms_norm,rope,silu_and_mul,topk_softmax,write_kv,paged_attention 2>&1 | tee -a "$OUT/kernels.txt"
   ;;
-*)
-  echo "unknown part $PART: kernels, serve, offload, models, cpu-experts or session" >&2
-  exit 2
-  ;;
 esac
 echo "done; results in $OUT"
+}
+
+NPARTS=$#
+for PART in "$@"; do
+  run_part "$PART"
+done
+if [ "$NPARTS" -gt 1 ]; then
+  tar czf "$ROOT/results.tgz" -C "$ROOT" "$@" && rm -rf "${@/#/$ROOT/}"
+  echo "packed: $ROOT/results.tgz"
+fi
