@@ -7,6 +7,7 @@
 #   bash bench/gpu_check.sh models     # ~8 min: MLA, Gated DeltaNet and dequantizing kernels
 #                                      #   (never yet run on CUDA), their tests and benches
 #   bash bench/gpu_check.sh cpu-experts  # ~5 min: bw, the CPU's MoE products, the CPU arms
+#   bash bench/gpu_check.sh waves      # ~4 min: #21 part 2, cache sizes from top_k to all
 #   bash bench/gpu_check.sh session    # ~9 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
 # A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one
@@ -23,7 +24,7 @@
 # $OUT/<part>, packed at the end into $OUT/results.tgz: one file back, not one per result.
 set -uo pipefail
 [ $# -gt 0 ] || set -- kernels
-PARTS="kernels serve offload models cpu-experts session"
+PARTS="kernels serve offload models cpu-experts waves session"
 for PART in "$@"; do
   case " $PARTS " in *" $PART "*) ;; *)
     echo "unknown part $PART: one of $PARTS" >&2
@@ -116,6 +117,16 @@ cpu-experts)
   timeout 80 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
     --decode-tokens 16 --batches 1,8 --prefill-tokens 0 --arms cpu,hybrid \
     --moe-cpu-threads $(( $(nproc) - 1 )) 2>&1 | tee -a "$OUT/offload.txt"
+  ;;
+waves)
+  # #21 part 2 on the link it is for: every cache size from top_k slots to every expert
+  # (prefill chunks of 256 route to nearly every expert of a layer: caches below a layer run
+  # them in waves), against the resident run's tokens. Timeouts summing to 480 s.
+  echo "== the offload model"
+  timeout 180 python3 bench/offload.py --model /tmp/offload-model --build-only 2>&1 | tail -3
+  echo "== bench/waves.py"
+  timeout 300 python3 bench/waves.py --model /tmp/offload-model --out "$OUT/waves.json" 2>&1 \
+    | tee "$OUT/waves.txt"
   ;;
 session)
   # A whole 15-minute lease in one call (~5 min; timeouts summing to 565 s: run it with

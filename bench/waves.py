@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import SHAPES  # noqa: E402  (bench/ is not a package)
+from offload import SHAPES, SKEWED  # noqa: E402  (bench/ is not a package)
 
 SHAPES = {**SHAPES, "small": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                                   head_dim=64, num_experts=32, top_k=4, moe_intermediate_size=128,
@@ -55,6 +55,7 @@ def arm(model_dir, args, size: int | None) -> dict:
     _generate(llm, prompt, 2)                                       # warm: compile, fill
     prefill_s, first, cp = _generate(llm, prompt, 1)
     short = [[11 + j for j in range(16)]]
+    _generate(llm, short, 1 + args.decode_tokens)     # warm: the short prompt's shapes too
     t1, _, c1 = _generate(llm, short, 1)
     tn, tokens, cn = _generate(llm, short, 1 + args.decode_tokens)
     decode_s = max(tn - t1, 1e-9)
@@ -86,7 +87,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--out")
+    p.add_argument("--model", type=Path, help="keep the checkpoint here: built if the folder has "
+                   "none, reused if it has (bench/offload.py --model's, for the same --scale)")
+    p.add_argument("--out", help="the report as JSON, rewritten after each cache size")
     args = p.parse_args(argv)
     from freetoken.demo.tiny_model import make_tiny_model
 
@@ -95,15 +98,28 @@ def main(argv=None) -> int:
     sizes = ([int(s) for s in args.sizes.split(",")] if args.sizes
              else sorted({k, 2 * k, e // 2, e, 2 * e, e * n}))
     report = {"conditions": vars(args), "rows": []}
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(
+                {**report, "rows": [{k: v for k, v in r.items() if k != "tokens"}
+                                    for r in report["rows"]]}, indent=1, default=str))
+
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        make_tiny_model(model_dir, family=args.family, seed=0, dtype=args.dtype, **shape)
+        model_dir = args.model or Path(tmp) / "model"
+        if args.model is not None and (model_dir / SKEWED).exists():
+            raise SystemExit(f"{model_dir}: bench/offload.py's skewed pass rewrote its routers")
+        if not model_dir.exists():      # built aside and renamed: never a half-built one
+            partial = model_dir.with_name(model_dir.name + ".partial")
+            make_tiny_model(partial, family=args.family, seed=0, dtype=args.dtype, **shape)
+            partial.rename(model_dir)
         ref = arm(model_dir, args, None)
         report["rows"].append(ref)
         for size in sizes:
             row = arm(model_dir, args, size)
             row["same_tokens"] = row["tokens"] == ref["tokens"]
             report["rows"].append(row)
+            print(f"slots {size}: {({k: v for k, v in row.items() if k != 'tokens'})}", flush=True)
+            save()
     print("| slots | prefill tok/s | decode tok/s | waves/chunk/layer (max) | fetched/prefill tok "
           "| wave refetches | fetched/decode tok | same tokens |")
     print("|---|---|---|---|---|---|---|---|")
@@ -115,10 +131,7 @@ def main(argv=None) -> int:
               f"{r['waves_per_chunk_layer']:.2f} ({r['max_waves']}) | "
               f"{r['prefill_fetched_per_token']:.2f} | {r['prefill_wave_refetches']} | "
               f"{r['decode_fetched_per_token']:.2f} | {r['same_tokens']} |")
-    for r in report["rows"]:
-        r.pop("tokens")
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+    save()
     return 0 if all(r.get("same_tokens", True) for r in report["rows"]) else 1
 
 
