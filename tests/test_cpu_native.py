@@ -287,7 +287,8 @@ def test_the_kernels_run_on_torchs_openmp_runtime():
     kernel = tk.native_kernels()
     mapped = {line.split()[-1] for line in open("/proc/self/maps")
               if cpu_native.re.search(r"/lib(gomp|iomp5|omp)\b", line)}
-    assert mapped == {str(runtime)}, mapped
+    # (other packages a test process imported may map runtimes of their own: not asserted)
+    assert str(runtime) in mapped, mapped
     if shutil.which("readelf"):
         dynamic = subprocess.run(["readelf", "-d", str(kernel.path)], capture_output=True,
                                  text=True).stdout
