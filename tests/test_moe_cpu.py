@@ -80,3 +80,30 @@ def test_one_token_equals_the_expert_loop(dtype):
         assert torch.equal(_moe_one_token_torch(*args, act), want), f"trial {trial} k={k}"
         assert torch.equal(fused_moe_reference(*args[:6], b13=args[6], b2=args[7],
                                                activation=act), want)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("t", [1, 3])
+def test_cpu_moe_on_a_share_of_the_experts(t, packed):
+    # Hybrid's CPU share: only the pairs routed to `experts`, the rest left to the GPU. One
+    # token takes the full path's one call on its chosen pairs, more tokens one row a pair;
+    # either equals the float32 reference with the other pairs' weights zeroed.
+    from freetoken.moe.cpu import cpu_moe
+    from freetoken.moe.layout import ExpertLayout
+    g = torch.Generator().manual_seed(t)
+    e, k, d, i = 8, 4, 64, 32
+    layout = ExpertLayout(d, i, torch.bfloat16)
+    bank = {"w13": (torch.randn(e, 2 * i, d, generator=g) / 8).bfloat16(),
+            "w2": (torch.randn(e, d, i, generator=g) / 6).bfloat16()}
+    form = (layout.pack_cpu(bank) or bank) if packed else bank
+    x = torch.randn(t, d, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g).softmax(-1)
+    share = [int(ids[0, 1]), int(ids[0, 3]), int(ids[-1, 0])]
+    got = cpu_moe(layout, x, form, weights, ids, share)
+    kept = weights * torch.isin(ids, torch.tensor(share))
+    want = fused_moe_reference(x.float(), bank["w13"].float(), bank["w2"].float(), kept, ids)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    none = [j for j in range(e) if j not in ids.flatten().tolist()]
+    assert torch.equal(cpu_moe(layout, x, form, weights, ids, none), torch.zeros_like(x))
