@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The prepared GPU checks, one device call per part (each under the tool's 10-minute cap).
+# The prepared GPU checks, in parts of a few minutes (a device call runs one or several, under
+# the tool's 10-minute cap).
 # Run from the repo root with `.whl` carried (httptools, orjson, llguidance; see ../shared/GPU.md), e.g.:
 #   bash bench/gpu_check.sh kernels    # ~6 min: kernel tests on CUDA, kernel microbenchmarks
 #   bash bench/gpu_check.sh serve      # ~5 min: sampling, whole-model parity, first request
@@ -8,7 +9,7 @@
 #                                      #   (never yet run on CUDA), their tests and benches
 #   bash bench/gpu_check.sh cpu-experts  # ~5 min: bw, the CPU's MoE products, the CPU arms
 #   bash bench/gpu_check.sh waves      # ~4 min: #21 part 2, cache sizes from top_k to all
-#   bash bench/gpu_check.sh session    # ~9 min: kernels, bw and offload (with #21's cpu arm)
+#   bash bench/gpu_check.sh session    # ~5 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
 # A 15-minute session (start-up included) fits two parts: kernels + serve, or offload + one
 # (2026-12-04: session, then cpu-experts + serve, used 765 s of 900).
