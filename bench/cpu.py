@@ -60,28 +60,6 @@ NEAREST_GGUF = {"fp8": "q8_0", "fp8-channel": "q8_0", "int4": "q4_0", "int4-awq"
                 "nvfp4": "q4_0"}
 
 
-def dram_read_gbps(threads: int, gib: float) -> float:
-    """float32 matrix-vector product over `gib` GiB (best of 3): the read ceiling."""
-    with _threads(threads):
-        w = torch.empty(int(gib * 2**28) // 4096, 4096).uniform_()
-        x = torch.ones(4096)
-        torch.mv(w, x)
-        best = min(_seconds(lambda: torch.mv(w, x)) for _ in range(3))
-        return w.numel() * 4 / best / 1e9
-
-
-class _threads:
-    def __init__(self, n):
-        self.n = n
-
-    def __enter__(self):
-        self.old = torch.get_num_threads()
-        torch.set_num_threads(self.n)
-
-    def __exit__(self, *exc):
-        torch.set_num_threads(self.old)
-
-
 def _seconds(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -292,6 +270,7 @@ def main(argv=None) -> int:
     shape = SHAPES["quick" if args.quick else "qwen3-moe-1.4g"]
     torch.set_num_threads(args.threads)
     from freetoken.demo.tiny_model import make_tiny_model
+    from freetoken.moe.bandwidth import host_read_gbps
 
     report = {"conditions": {**vars(args), "shape": shape, "decode_tokens": tokens}}
     quants = [q for q in args.quant.split(",") if q]
@@ -332,14 +311,14 @@ def main(argv=None) -> int:
         res = {a.name: {f: [] for f in figures} for a in arms}
         dram = []
         for _ in range(args.rounds):           # interleaved: each round runs every arm once
-            dram.append(dram_read_gbps(args.threads, args.dram_gib))
+            dram.append(host_read_gbps(args.threads, args.dram_gib))
             for f in figures:
                 for a in arms:
                     res[a.name][f].append(a.prefill() if f == "prefill"
                                           else a.decode(int(f[8:]), tokens))
                     print(f"  {a.name} {f}: {res[a.name][f][-1]:.3g} tok/s", file=sys.stderr,
                           flush=True)
-        dram.append(dram_read_gbps(args.threads, args.dram_gib))
+        dram.append(host_read_gbps(args.threads, args.dram_gib))
         del arms
         if args.llama_bench:
             convert = args.llama_convert or _find_convert(args.llama_bench)

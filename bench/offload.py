@@ -68,20 +68,6 @@ def pinned_h2d_gbps(device) -> float | None:
     return 5 * src.numel() / (time.perf_counter() - t0) / 1e9
 
 
-def host_read_gbps(gib: float = 1.0) -> float:
-    """The host's DRAM read ceiling with torch's threads (the CPU experts' threads): a float32
-    matrix-vector product over `gib` GiB, best of 3 (bench/cpu.py's probe)."""
-    w = torch.empty(int(gib * 2**28) // 4096, 4096).uniform_()
-    x = torch.ones(4096)
-    torch.mv(w, x)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        torch.mv(w, x)
-        best = min(best, time.perf_counter() - t0)
-    return w.numel() * 4 / best / 1e9
-
-
 def _counters(llm) -> dict:
     return llm.runner.moe_report()["counters"] or {} if llm.runner.moe is not None else {}
 
@@ -280,6 +266,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.cache_slots = None
     args.batches = [int(b) for b in args.batches.split(",")]
+    from freetoken.moe.bandwidth import host_read_gbps
     if args.build_only and args.model is None:
         p.error("--build-only needs --model")
     order = args.arms.split(",") if args.arms else []
@@ -294,7 +281,8 @@ def main(argv=None) -> int:
         return 0
     ceiling = pinned_h2d_gbps(device)
     report = {"conditions": vars(args), "pinned_h2d_gbps": ceiling,
-              "host_read_gbps": host_read_gbps(), "host_threads": torch.get_num_threads(),
+              "host_read_gbps": host_read_gbps(torch.get_num_threads()),
+              "host_threads": torch.get_num_threads(),
               "routing": {}}
     print(f"pinned H2D {ceiling or float('nan'):.1f} GB/s, host DRAM read "
           f"{report['host_read_gbps']:.1f} GB/s with {report['host_threads']} threads", flush=True)

@@ -66,6 +66,21 @@ def host_copy_gbps(nbytes: int, threads: int, min_time: float) -> float:
         return rate(copy, min_time, torch.device("cpu")) / GB
 
 
+def host_read_gbps(threads: int, gib: float = 1.0) -> float:
+    """The host's DRAM read ceiling with `threads` threads: a float32 matrix-vector product
+    over `gib` GiB, best of 3 (the CPU experts' roofline in bench/cpu.py and bench/offload.py)."""
+    with torch_threads(threads):
+        w = torch.empty(int(gib * 2**28) // 4096, 4096).uniform_()
+        x = torch.ones(4096)
+        torch.mv(w, x)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.mv(w, x)
+            best = min(best, time.perf_counter() - t0)
+        return w.numel() * 4 / best / 1e9
+
+
 def h2d_gbps(device: torch.device, nbytes: int, pinned: bool, min_time: float) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pinned)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
