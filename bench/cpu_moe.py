@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkou
 
 FORMATS = {"fp8_block": dict(kind="fp8_block"), "fp8_channel": dict(kind="fp8_channel"),
            "mxfp4": dict(kind="mxfp4"), "nvfp4": dict(kind="nvfp4"),
-           "int4": dict(kind="int4", group=128, symmetric=False)}
+           "int4": dict(kind="int4", group=128, symmetric=False),
+           "int4_g32": dict(kind="int4", group=32, symmetric=True)}
 
 
 def bank(fmt, experts: int, n: int, k: int, g: torch.Generator) -> dict:
@@ -94,6 +95,11 @@ def main(argv=None) -> int:
             p13, p2 = tk.Int4Packed(fmt, q13), tk.Int4Packed(fmt, q2)   # CPU-only experts' form
             arms[f"{name} packed"] = (lambda x, w, ids, fmt=fmt, p13=p13, p2=p2:
                                       fused_moe_quant_cpu(x, fmt, p13, p2, w, ids))
+            if native is not None:      # the nibbles as they are (the CPU engine's experts)
+                n13, n2 = (tk.NativeInt4Bank(q["q"], q["s"], q.get("z"), fmt.group, native)
+                           for q in (q13, q2))
+                arms[f"{name} native"] = (lambda x, w, ids, fmt=fmt, n13=n13, n2=n2:
+                                          fused_moe_quant_cpu(x, fmt, n13, n2, w, ids))
         else:       # the 16-bit CPU engine's forms where RAM holds 2 bytes a weight
             if native is not None:
                 m13, m2 = (tk.NativeBank.decoded((e, n, kk), lambda j, q=q: (

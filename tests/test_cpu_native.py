@@ -227,6 +227,71 @@ def test_native_int4_moe_matches_the_decoded_reference(group, symmetric, scale_d
         assert rel(outs[0], want) < 1e-5, (t, rel(outs[0], want))
 
 
+@pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, False)])
+def test_native_int4_moe_with_bf16_activations_takes_the_pair_products(group, symmetric,
+                                                                       threads):
+    # bf16 x with K whole blocks of 128 (cpu_dot.h's i4b: vdpbf16ps on 128 + q, the offset
+    # taken back per group): against float64 on the decoded weights with the activations
+    # rounded to bf16 between the products, as the kernel (and a bf16 model) rounds them;
+    # groups of 32 to 128 (several a block, or one); 1 to 40 tokens
+    # (one row at a time and 4-row tiles); the same bits on 1 to 3 threads.
+    from triton_kernels.fused_moe import _activate
+    kernel = tk.native_kernels()
+    for t in (1, 3, 9, 40):
+        c = biased_experts(seed=t, t=t, d=256, i=256, e=6, k=2, pool=9)
+        q13, deq13 = int4_bank(c["w13"], group, symmetric, torch.bfloat16)
+        q2, deq2 = int4_bank(c["w2"], group, symmetric, torch.bfloat16)
+        # (amx=False: on an AMX CPU a bank's busy experts would go to the bf16 GEMM)
+        b13 = tk.NativeInt4Bank(q13["q"], q13["s"], q13.get("z"), group, kernel, amx=False)
+        b2 = tk.NativeInt4Bank(q2["q"], q2["s"], q2.get("z"), group, kernel, amx=False)
+        outs = []
+        for n in (1, 2, 3):
+            threads(n)
+            outs.append(tk.fused_moe(c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"],
+                                     b13=c["b13"].float(), b2=c["b2"].float()))
+        assert outs[0].dtype == torch.bfloat16
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        want = torch.zeros(t, 256, dtype=torch.float64)
+        for tok in range(t):
+            for j in range(2):
+                slot = c["slot_map"][c["ids"][tok, j]]
+                h = deq13[slot].double() @ c["x"][tok].double() + c["b13"][slot].double()
+                act = _activate(h[:256].float(), h[256:].float(), SILU).bfloat16()
+                y = deq2[slot].double() @ act.double() + c["b2"][slot].double()
+                want[tok] += c["weights"][tok, j].double() * y
+        assert rel(outs[0].double(), want) < 4e-3, (t, rel(outs[0].double(), want))
+        # and the float32 products' path (float32 x) on the same banks
+        assert rel(outs[0].double(), tk.fused_moe(c["x"].float(), b13, b2, c["weights"], c["ids"],
+                                                  c["slot_map"], b13=c["b13"].float(),
+                                                  b2=c["b2"].float()).double()) < 4e-3
+
+
+@pytest.mark.parametrize("group", [32, 256])
+def test_native_int4_linear_pair_products_take_groups_longer_than_a_block(group, threads):
+    # Groups of 256 span two of i4b's 128-weight blocks (the offset is taken back once a
+    # group); nibbles, scales and zero points drawn directly, against float64 on
+    # W = (q - z) s; one to five tokens, the same bits on 1 and 2 threads.
+    g = torch.Generator().manual_seed(group)
+    n, k = 48, 512
+    q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    s = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).bfloat16()
+    z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
+    nib = torch.stack([q & 15, q >> 4], dim=-1).reshape(n, k).double()
+    w = (nib - z.double().repeat_interleave(group, 1)) * s.double().repeat_interleave(group, 1)
+    pairs = tk.int4_group_pairs(s, z)
+    kernel = tk.native_kernels()
+    for t in (1, 5):
+        x = torch.randn(t, k, generator=g).bfloat16()
+        outs = []
+        for nthreads in (1, 2):
+            threads(nthreads)
+            outs.append(kernel.linear(x, q, None, scales=pairs, block=(1, group)))
+        assert torch.equal(outs[0], outs[1])
+        want = x.double() @ w.T
+        bound = want.abs() * 2.0 ** -8 + (x.double().abs() @ w.abs().T) * 2.0 ** -20
+        assert ((outs[0].double() - want).abs() <= bound).all(), t
+
+
 def test_native_int4_bank_refuses_bad_groups_and_mixed_banks():
     c = biased_experts(seed=1, t=2, d=64, i=32)
     kernel = tk.native_kernels()

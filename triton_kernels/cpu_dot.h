@@ -364,6 +364,136 @@ static inline void dots(const void *const *w, const float *const *gs, int gshift
 #undef CASE
 }
 
+/* INT4 rows against bf16 activations through AVX512-BF16's pair products (vdpbf16ps), where
+ * the CPU has them and K is whole blocks of I4B_BLOCK. load_int4's widening (a zero-extend,
+ * two converts and two FMAs for 32 weights) bound a core under DRAM speed: 1024-long g32
+ * rows streamed cold on the 2-core Xeon at 16-17 GB/s (nibbles and pairs) on two threads,
+ * 21-23 here; in cache 1.5x. The bench's INT4 model's batch-1 step: 8.3-8.5 -> 7.5-8.1 ms.
+ *
+ * A block of 128 weights is 64 bytes of nibbles, its 128-bit lane L the elements [32L, 32L
+ * + 32). Each byte's low and high nibble is interleaved with the byte 0x43 (one unpack a
+ * 32 weights): the bf16 word 0x43nn is 128 + nn exactly (bf16's 8 significant bits), so
+ * no conversion runs. The four vectors an unpack gives (low/high nibbles, low/high half of
+ * each lane) hold in lane L words of group(32L) only, so one vector of the lanes' group
+ * scales applies to their four pair products summed, and W = (q - z) s becomes
+ *     sum_j W_j x_j = sum_groups s (sum_j (128 + q_j) x_j) + (m - 128 s) X,   m = -z s,
+ * with X the group's sum of x: the second term is the pairs (s, m) against (-128 X, X) per
+ * group, one FMA a block. x is rounded to bf16 once (i4b_prepare: the activations of a
+ * bf16 model are bf16), X summed from the rounded values; the products are exact and their
+ * sums float32, ~5e-7 of sum |W x| off the float32 one (the offset's cancellation). */
+#if VW == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FT_I4B 1
+#else
+#define FT_I4B 0
+#endif
+#define I4B_BLOCK 128
+
+/* Whether the bf16 path takes int4 rows of k elements against activations in xfmt. */
+static inline int i4b_takes(int64_t k, int xfmt) {
+    return FT_I4B && xfmt == 0 && k % I4B_BLOCK == 0;
+}
+
+/* The position of element e of a row in i4b's x: per block, the four unpack vectors (low
+ * nibbles' low half, their high half, then the high nibbles'), each lane's 8 words in turn. */
+static inline int64_t i4b_index(int64_t e) {
+    int64_t base = e - e % I4B_BLOCK, r = e % I4B_BLOCK;
+    int64_t lane = r / 32, in = r % 32, half = in / 16, odd = in & 1;
+    return base + (odd * 2 + half) * 32 + lane * 8 + (in % 16) / 2;
+}
+
+/* One row of x (float32, k elements) -> xb [k] bf16 in i4b_index's order (nearest even)
+ * and x2 [2 * k / G] the pairs (-128 X, X) of each group's sum X of the rounded values. */
+static inline void i4b_prepare(const float *x, int64_t k, int gshift, uint16_t *xb, float *x2) {
+    const int64_t groups = k >> gshift;
+    for (int64_t g = 0; g < groups; g++) {
+        float sum = 0.f;
+        for (int64_t e = g << gshift; e < (g + 1) << gshift; e++) {
+            float f = round_to(x[e], 0);
+            uint32_t u;
+            memcpy(&u, &f, sizeof u);
+            xb[i4b_index(e)] = (uint16_t)(u >> 16);
+            sum += f;
+        }
+        x2[2 * g] = -128.f * sum;
+        x2[2 * g + 1] = sum;
+    }
+}
+
+#if FT_I4B
+/* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows (gs[r]: their (s, m) pairs) and NT tokens
+ * in i4b's form (xb[t], x2[t]), k a multiple of I4B_BLOCK. */
+static inline __attribute__((always_inline)) void
+i4b_tile(const void *const *w, const float *const *gs, const int gshift, const uint16_t *const *xb,
+         const float *const *x2, const int64_t k, const int NR, const int NT, float *res) {
+    const __m512i low = _mm512_set1_epi8(0x0f), hi_byte = _mm512_set1_epi8(0x43);
+    const int g = 1 << gshift;
+    /* the pair of lane L's group within the block's first pair: its s, for every lane */
+    const __m512i lane_s = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
+                         : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
+                                   : _mm512_setzero_si512();
+    const int pairs = g >= I4B_BLOCK ? 1 : I4B_BLOCK / g;       /* a block's groups */
+    const __mmask16 mask = (__mmask16)((1u << (2 * pairs)) - 1);
+    __m512 acc[MAXR][MAXT], cor[MAXR][MAXT];
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            acc[r][t] = cor[r][t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += I4B_BLOCK) {
+        const int first = g <= I4B_BLOCK || (j & (g - 1)) == 0;    /* a group starts here */
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *p = (const uint8_t *)w[r] + j / 2;
+            __builtin_prefetch(p + PF_BYTES, 0, 1);
+            __m512i v = _mm512_loadu_si512(p);
+            __m512i lo = _mm512_and_si512(v, low);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            __m512bh wv[4] = {(__m512bh)_mm512_unpacklo_epi8(lo, hi_byte),
+                              (__m512bh)_mm512_unpackhi_epi8(lo, hi_byte),
+                              (__m512bh)_mm512_unpacklo_epi8(hi, hi_byte),
+                              (__m512bh)_mm512_unpackhi_epi8(hi, hi_byte)};
+            __m512 sm = _mm512_maskz_loadu_ps(mask, gs[r] + 2 * (j >> gshift));
+            __m512 s = _mm512_permutexvar_ps(lane_s, sm);
+            #pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const __m512i *xv = (const __m512i *)(xb[t] + j);
+                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[0], (__m512bh)_mm512_loadu_si512(xv));
+                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[1], (__m512bh)_mm512_loadu_si512(xv + 1));
+                d0 = _mm512_dpbf16_ps(d0, wv[2], (__m512bh)_mm512_loadu_si512(xv + 2));
+                d1 = _mm512_dpbf16_ps(d1, wv[3], (__m512bh)_mm512_loadu_si512(xv + 3));
+                acc[r][t] = _mm512_fmadd_ps(s, _mm512_add_ps(d0, d1), acc[r][t]);
+                if (first)
+                    cor[r][t] = _mm512_fmadd_ps(sm, _mm512_maskz_loadu_ps(mask, x2[t] + 2 * (j >> gshift)),
+                                                cor[r][t]);
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            res[r * MAXT + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t], cor[r][t]));
+}
+#endif
+
+/* i4b_tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time (dots' shapes). */
+static inline void i4b_dots(const void *const *w, const float *const *gs, int gshift,
+                            const uint16_t *const *xb, const float *const *x2, int64_t k, int nr,
+                            int nt, float *res) {
+#if FT_I4B
+#define CASE(R, T)                                                  \
+    if (nr == R && nt == T) {                                       \
+        i4b_tile(w, gs, gshift, xb, x2, k, R, T, res);              \
+        return;                                                     \
+    }
+    CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
+    CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+#undef CASE
+#else
+    (void)w, (void)gs, (void)gshift, (void)xb, (void)x2, (void)k, (void)nr, (void)nt, (void)res;
+#endif
+}
+
 /* One row of x in paired order (paired_index): evens then odds of each 2 * VW block. */
 static inline void permute_row(const float *src, float *dst, int64_t k) {
     int64_t j = 0;

@@ -21,16 +21,21 @@
 int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
               const float *scales, int64_t bn, int64_t bk,
               const float *bias, int64_t n, int64_t k, void *out, int ofmt, int threads) {
-    /* x widened to float32 (wide), then each row in the weight format's order (paired_index). */
-    float *wide = malloc(2 * (t_count ? t_count : 1) * k * sizeof *wide);
+    const int gshift = wfmt == FT_INT4 ? __builtin_ctzll((unsigned long long)bk) : 0;
+    if (wfmt == FT_INT4 && (bk < 2 * VW || (bk & (bk - 1)) || k % bk))
+        return -3;
+    /* x widened to float32 (wide), then each row in the weight format's order (paired_index);
+     * int4 against bf16 x: in the pair products' form instead (cpu_dot.h's i4b: xb, x2). */
+    const int i4b = wfmt == FT_INT4 && i4b_takes(k, xfmt);
+    const int xorder = i4b ? 2 : wfmt;      /* widen_rows's: a format that does not pair */
+    const int64_t tc = t_count ? t_count : 1, gx = i4b ? 2 * (k >> gshift) : 0;
+    float *wide = malloc(2 * tc * k * sizeof *wide + tc * gx * sizeof *wide
+                         + (i4b ? tc * k * sizeof(uint16_t) : 0));
     if (!wide)
         return -1;
-    float *xp = paired_fmt(wfmt) ? wide + t_count * k : wide;
-    const int gshift = wfmt == FT_INT4 ? __builtin_ctzll((unsigned long long)bk) : 0;
-    if (wfmt == FT_INT4 && (bk < 2 * VW || (bk & (bk - 1)) || k % bk)) {
-        free(wide);
-        return -3;
-    }
+    float *xp = paired_fmt(xorder) ? wide + t_count * k : wide;
+    float *x2 = wide + 2 * tc * k;
+    uint16_t *xb = (uint16_t *)(x2 + tc * gx);
     const int64_t rows = item_rows(n, threads);
     const int64_t items = (n + rows - 1) / rows;
     const int64_t cb = (k + bk - 1) / bk;   /* fp8: column blocks of a row block's scales */
@@ -45,7 +50,12 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
-        widen_rows(x, xfmt, t_count, k, wfmt, wide, xp);
+        widen_rows(x, xfmt, t_count, k, xorder, wide, xp);
+        if (i4b) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < t_count; t++)
+                i4b_prepare(wide + t * k, k, gshift, xb + t * k, x2 + t * gx);
+        }
         /* item = `rows` weight rows, for every token: one sequential stream (one row at a
          * time) below MAXT tokens, MAXR rows sharing each x load from there. */
         for (;;) {
@@ -57,9 +67,13 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
             int64_t r0 = item * rows, r1 = r0 + rows < n ? r0 + rows : n;
             for (int64_t t0 = 0; t0 < t_count; t0 += MAXT) {
                 int nt = t_count - t0 < MAXT ? (int)(t_count - t0) : MAXT;
-                const float *xs[MAXT];
-                for (int t = 0; t < nt; t++)
+                const float *xs[MAXT], *xs2[MAXT];
+                const uint16_t *xsb[MAXT];
+                for (int t = 0; t < nt; t++) {
                     xs[t] = xp + (t0 + t) * k;
+                    xsb[t] = xb + (t0 + t) * k;
+                    xs2[t] = x2 + (t0 + t) * gx;
+                }
                 const int together = nt >= MAXT ? MAXR : 1;
                 int64_t block = -1;                 /* fp8: the row block xsc is scaled for */
                 const float *xv[MAXT];
@@ -76,7 +90,10 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                         gs[q] = wfmt == FT_INT4 ? scales + (r + q) * (k >> gshift) * 2 : NULL;
                     }
                     float res[MAXR * MAXT];
-                    dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, res);
+                    if (i4b)
+                        i4b_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, res);
+                    else
+                        dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, res);
                     for (int q = 0; q < nr; q++)
                         for (int t = 0; t < nt; t++)
                             store_as(out, (t0 + t) * n + r + q,

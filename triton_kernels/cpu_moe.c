@@ -54,6 +54,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     const int gshift = fmt == FT_INT4 ? __builtin_ctzll((unsigned long long)bk) : 0;
     if (fmt == FT_INT4 && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
         return -3;
+    /* int4 against bf16 x: the pair products (cpu_dot.h's i4b), the activations rounded to
+     * bf16 as a bf16 model's are */
+    const int i4b = fmt == FT_INT4 && i4b_takes(d, xfmt) && i4b_takes(width, 0);
     const int64_t pairs = t_count * k_count;
     /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
@@ -94,10 +97,16 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         }
         free(fill);
     }
-    /* x's rows in the order the weight rows are read (paired_index). */
-    /* x widened to float32 (wide), in the weight format's order (xp: paired for bf16). */
-    float *wide = malloc(2 * (t_count ? t_count : 1) * d * sizeof *wide);
-    float *xp = paired_fmt(fmt) ? wide + t_count * d : wide;
+    /* x widened to float32 (wide), in the weight format's order (xp: paired for bf16);
+     * i4b: x and the activations in its form (xb and x2, actb and a2) instead. */
+    const int xorder = i4b ? 2 : fmt;       /* widen_rows's: a format that does not pair */
+    const int64_t gx = i4b ? 2 * (d >> gshift) : 0, ga = i4b ? 2 * (width >> gshift) : 0;
+    const int64_t tc = t_count ? t_count : 1, pc = pairs ? pairs : 1;
+    float *wide = malloc(2 * tc * d * sizeof *wide + (i4b ? tc * gx + pc * ga : 0) * sizeof *wide
+                         + (i4b ? (tc * d + pc * width) * sizeof(uint16_t) : 0));
+    float *xp = paired_fmt(xorder) ? wide + t_count * d : wide;
+    float *x2 = wide + 2 * tc * d, *a2 = x2 + tc * gx;
+    uint16_t *xb = (uint16_t *)(a2 + pc * ga), *actb = xb + tc * d;
     if (!wide) {
         free(start), free(order), free(used);
         return -1;
@@ -129,7 +138,12 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
-        widen_rows(x, xfmt, t_count, d, fmt, wide, xp);
+        widen_rows(x, xfmt, t_count, d, xorder, wide, xp);
+        if (i4b) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < t_count; t++)
+                i4b_prepare(wide + t * d, d, gshift, xb + t * d, x2 + t * gx);
+        }
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
             int64_t item = idle ? n_used * i_blocks : __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
@@ -143,9 +157,13 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
              * read side by side, 2 * I rows apart, halved the cold bandwidth). */
             for (int64_t t0 = 0; t0 < n; t0 += MAXT) {
                 int nt = n - t0 < MAXT ? (int)(n - t0) : MAXT;
-                const float *xs[MAXT];
-                for (int t = 0; t < nt; t++)
+                const float *xs[MAXT], *xs2[MAXT];
+                const uint16_t *xsb[MAXT];
+                for (int t = 0; t < nt; t++) {
                     xs[t] = xp + (mine[t0 + t] / k_count) * d;
+                    xsb[t] = xb + (mine[t0 + t] / k_count) * d;
+                    xs2[t] = x2 + (mine[t0 + t] / k_count) * gx;
+                }
                 float g[ROWS][MAXT], u[ROWS][MAXT];
                 const int together = rows_together(n);
                 for (int half = 0; half < 2; half++) {
@@ -167,7 +185,10 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gs[r] = fmt == FT_INT4 ? s13 + (s * 2 * width + row + r) * cb13 * 2
                                                    : NULL;
                         }
-                        dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, res[i - i0]);
+                        if (i4b)
+                            i4b_dots(w, gs, gshift, xsb, xs2, d, nr, nt, res[i - i0]);
+                        else
+                            dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, res[i - i0]);
                         i += nr;
                     }
                 }
@@ -178,12 +199,17 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gi += b13[s * 2 * width + i];
                             ui += b13[s * 2 * width + width + i];
                         }
-                        act[mine[t0 + t] * width + paired_index(i, width, fmt)] =
+                        act[mine[t0 + t] * width + (i4b ? i : paired_index(i, width, fmt))] =
                             activate(gi, ui, kind, alpha, limit);
                     }
             }
         }
 #pragma omp barrier
+        if (i4b) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < pairs; p++)
+                i4b_prepare(act + p * width, width, gshift, actb + p * width, a2 + p * ga);
+        }
         /* Down: item = down_rows output rows of every token, summed over its experts by slot. */
         for (;;) {
             int64_t item = idle ? d_blocks : __atomic_fetch_add(&next_down, 1, __ATOMIC_RELAXED);
@@ -198,9 +224,13 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 int64_t n = start[s + 1] - start[s];
                 for (int64_t t0 = 0; t0 < n; t0 += MAXT) {
                     int nt = n - t0 < MAXT ? (int)(n - t0) : MAXT;
-                    const float *hs[MAXT], *hv[MAXT];
-                    for (int t = 0; t < nt; t++)
+                    const float *hs[MAXT], *hv[MAXT], *hs2[MAXT];
+                    const uint16_t *hsb[MAXT];
+                    for (int t = 0; t < nt; t++) {
                         hv[t] = hs[t] = act + mine[t0 + t] * width;
+                        hsb[t] = actb + mine[t0 + t] * width;
+                        hs2[t] = a2 + mine[t0 + t] * ga;
+                    }
                     const int together = rows_together(n);
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
@@ -215,7 +245,10 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gs[q] = fmt == FT_INT4 ? s2 + (s * d + r + q) * cb2 * 2 : NULL;
                         }
                         float res[MAXR * MAXT];
-                        dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, res);
+                        if (i4b)
+                            i4b_dots(w, gs, gshift, hsb, hs2, width, nr, nt, res);
+                        else
+                            dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, res);
                         for (int q = 0; q < nr; q++)
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];
