@@ -99,10 +99,16 @@ def test_native_int4_linear_matches_the_decoded_weight_in_float64(group, symmetr
             threads(nthreads)
             outs.append(kernel.linear(x, qw["q"], b, scales=pairs, block=(1, group)))
         assert all(torch.equal(outs[0], o) for o in outs[1:])
+        # a symmetric weight's own bf16 scales (cpu_dot.h's FT_INT4S): float32 x's bits (bf16
+        # x's pair products take the offset back as -136 s X, not -128 s X - 8 s X: in bound)
+        scales = tk.int4_scales(qw["s"], qw.get("z"))
+        assert (scales.dtype == torch.bfloat16) == symmetric
+        outs.append(kernel.linear(x, qw["q"], b, scales=scales, block=(1, group)))
+        assert xdtype == torch.bfloat16 or torch.equal(outs[-1], outs[0])
         want = F.linear(x.double(), deq.double(), b.double())
         ulp = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}[xdtype]
         bound = want.abs() * ulp + (x.double().abs() @ deq.double().abs().T) * 2.0 ** -20
-        assert ((outs[0].double() - want).abs() <= bound).all(), t
+        assert all(((o.double() - want).abs() <= bound).all() for o in outs), t
     with pytest.raises(ValueError, match="group scales"):
         kernel.linear(x, qw["q"], b, scales=pairs, block=(1, 16))
     with pytest.raises(ValueError, match="group scales"):

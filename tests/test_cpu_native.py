@@ -27,6 +27,16 @@ def rel(a, b):
     return ((a.float() - b).norm() / b.norm()).item()
 
 
+def on_1_to_3_threads(threads, call):
+    """call() on 1, 2 and 3 threads: its one output, asserted the same bits on each."""
+    outs = []
+    for n in (1, 2, 3):
+        threads(n)
+        outs.append(call())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    return outs[0]
+
+
 # d and i: multiples of 32 (whole paired blocks), and ones with tails in both products.
 @pytest.mark.parametrize("d,i", [(64, 32), (72, 40)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -164,16 +174,13 @@ def test_native_fp8_banks_through_fused_moe(threads):
     q2, s2, deq2 = fp8_bank(c["w2"], 32, 32)
     b13, b2 = tk.NativeFp8Bank(q13, s13, (32, 32), kernel), tk.NativeFp8Bank(q2, s2, (32, 32), kernel)
     assert b13.nbytes == q13.numel() + s13.numel() * 4
-    outs = []
-    for n in (1, 2, 3):
-        threads(n)
-        outs.append(tk.fused_moe(c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"],
-                                 b13=c["b13"].float(), b2=c["b2"].float()))
-    assert outs[0].dtype == torch.bfloat16
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])   # any thread count
+    out = on_1_to_3_threads(threads, lambda: tk.fused_moe(
+        c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"], b13=c["b13"].float(),
+        b2=c["b2"].float()))
+    assert out.dtype == torch.bfloat16
     want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
                                c["slot_map"], b13=c["b13"].float(), b2=c["b2"].float())
-    assert rel(outs[0], want) < 1e-2
+    assert rel(out, want) < 1e-2
     with pytest.raises(ValueError, match="native banks"):
         tk.fused_moe(c["x"], b13, tk.NativeBank(c["w2"], kernel), c["weights"], c["ids"],
                      c["slot_map"])
@@ -244,13 +251,10 @@ def test_native_int4_moe_with_bf16_activations_takes_the_pair_products(group, sy
         # (amx=False: on an AMX CPU a bank's busy experts would go to the bf16 GEMM)
         b13 = tk.NativeInt4Bank(q13["q"], q13["s"], q13.get("z"), group, kernel, amx=False)
         b2 = tk.NativeInt4Bank(q2["q"], q2["s"], q2.get("z"), group, kernel, amx=False)
-        outs = []
-        for n in (1, 2, 3):
-            threads(n)
-            outs.append(tk.fused_moe(c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"],
-                                     b13=c["b13"].float(), b2=c["b2"].float()))
-        assert outs[0].dtype == torch.bfloat16
-        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        out = on_1_to_3_threads(threads, lambda: tk.fused_moe(
+            c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"], b13=c["b13"].float(),
+            b2=c["b2"].float()))
+        assert out.dtype == torch.bfloat16
         want = torch.zeros(t, 256, dtype=torch.float64)
         for tok in range(t):
             for j in range(2):
@@ -259,9 +263,9 @@ def test_native_int4_moe_with_bf16_activations_takes_the_pair_products(group, sy
                 act = _activate(h[:256].float(), h[256:].float(), SILU).bfloat16()
                 y = deq2[slot].double() @ act.double() + c["b2"][slot].double()
                 want[tok] += c["weights"][tok, j].double() * y
-        assert rel(outs[0].double(), want) < 4e-3, (t, rel(outs[0].double(), want))
+        assert rel(out.double(), want) < 4e-3, (t, rel(out.double(), want))
         # and the float32 products' path (float32 x) on the same banks
-        assert rel(outs[0].double(), tk.fused_moe(c["x"].float(), b13, b2, c["weights"], c["ids"],
+        assert rel(out.double(), tk.fused_moe(c["x"].float(), b13, b2, c["weights"], c["ids"],
                                                   c["slot_map"], b13=c["b13"].float(),
                                                   b2=c["b2"].float()).double()) < 4e-3
 
@@ -307,21 +311,27 @@ def test_native_int4_bank_refuses_bad_groups_and_mixed_banks():
                      c["slot_map"])
 
 
-def test_int4_bank_decodes_prefill_chunks_for_amx(threads, monkeypatch):
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_bank_decodes_prefill_chunks_for_amx(symmetric, threads, monkeypatch):
     # An int4 bank on an AMX CPU: a chunk of GEMM_ROWS pairs an expert and more runs AMX's
     # products on its used experts decoded to bf16, the reference's weights: the bits of the
     # bf16 loop on the reference's decode; fewer rows, the native kernel (the gemm=False
-    # bank's bits). int4_decode is the reference's decode, bit for bit.
+    # bank's bits). int4_decode is the reference's decode, bit for bit, from float32 pairs
+    # (zero points) or a symmetric bank's own bf16 scales.
     from triton_kernels.fused_moe import _moe_loop_torch
     kernel = tk.native_kernels()
     c = biased_experts(seed=3, t=40, d=128, i=64, e=3, k=2, pool=5)   # ~27 pairs an expert
-    q13, deq13 = int4_bank(c["w13"], 32, False, torch.bfloat16)
-    q2, deq2 = int4_bank(c["w2"], 32, False, torch.bfloat16)
-    banks = {amx: (tk.NativeInt4Bank(q13["q"], q13["s"], q13["z"], 32, kernel, amx=amx),
-                   tk.NativeInt4Bank(q2["q"], q2["s"], q2["z"], 32, kernel, amx=amx))
+    q13, deq13 = int4_bank(c["w13"], 32, symmetric, torch.bfloat16)
+    q2, deq2 = int4_bank(c["w2"], 32, symmetric, torch.bfloat16)
+    banks = {amx: (tk.NativeInt4Bank(q13["q"], q13["s"], q13.get("z"), 32, kernel, amx=amx),
+                   tk.NativeInt4Bank(q2["q"], q2["s"], q2.get("z"), 32, kernel, amx=amx))
              for amx in (True, False)}
     b13, b2 = c["b13"].float(), c["b2"].float()
     args = (c["weights"], c["ids"], c["slot_map"])
+    # a symmetric bank reads its bf16 scales in place: no bytes of its own
+    assert (banks[True][0].gs.data_ptr() == q13["s"].data_ptr()) == symmetric
+    assert banks[True][0].nbytes - banks[True][0].checkpoint_bytes == (0 if symmetric else
+                                                                       q13["s"].numel() * 8)
     decoded = kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([4, 0]))
     assert torch.equal(decoded, deq13[[4, 0]].bfloat16())
     got = tk.fused_moe(c["x"], *banks[True], *args, b13=b13, b2=b2)

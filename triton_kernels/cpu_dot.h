@@ -3,8 +3,10 @@
  * their dot products with float32 activations, a tile of rows by tokens at a time.
  *
  * Weight formats (fmt): 0 bf16, 1 fp16, 3 fp8 e4m3 (the raw bytes; their block scales are
- * the caller's: it scales x), 4 int4 (unsigned nibbles, element 2i low and 2i + 1 high, with
- * per-row group scales: gs, below). VW: float32 lanes of a vector (16 with AVX-512).
+ * the caller's: it scales x), 4 and 5 int4 (unsigned nibbles, element 2i low and 2i + 1
+ * high, with per-row group scales gs: 4 float32 (scale, -zero * scale) pairs, 5 one bf16
+ * scale a group, zero point 8: a symmetric checkpoint's own scales, a quarter of the bytes).
+ * VW: float32 lanes of a vector (16 with AVX-512).
  */
 #ifndef FT_CPU_DOT_H
 #define FT_CPU_DOT_H
@@ -37,6 +39,27 @@ typedef uint8_t vu8 __attribute__((vector_size(VW)));
 
 #define FT_E4M3 3
 #define FT_INT4 4
+#define FT_INT4S 5
+
+static inline int is_int4(int fmt) { return fmt == FT_INT4 || fmt == FT_INT4S; }
+
+/* Group g's (s, m) of an int4 row's scales (W = q * s + m). */
+static inline __attribute__((always_inline)) void int4_sm(const void *gs, int64_t g, int fmt,
+                                                          float *s, float *m) {
+    if (fmt == FT_INT4) {
+        *s = ((const float *)gs)[2 * g];
+        *m = ((const float *)gs)[2 * g + 1];
+    } else {
+        uint32_t u = (uint32_t)((const uint16_t *)gs)[g] << 16;
+        memcpy(s, &u, sizeof *s);
+        *m = -8.f * *s;
+    }
+}
+
+/* Row `row`'s scales within an int4 weight's, `groups` a row. */
+static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t groups, int fmt) {
+    return (const char *)gs + row * groups * (fmt == FT_INT4 ? 8 : 2);
+}
 /* Each weight row's bytes this far ahead are asked into L2 as a tile reads it (prefetcht2):
  * a thread's one sequential stream otherwise keeps too few lines in flight to reach DRAM
  * speed. A MoE layer's experts, cold (bench/cpu_moe.py's shape, 2-core Xeon): batch 1 bf16
@@ -121,19 +144,21 @@ static inline __attribute__((always_inline)) void load_int4(const uint8_t *p, fl
     *hi = __builtin_convertvector(v >> 4, vf) * s + m;
 }
 
-static inline float scalar_int4(const uint8_t *row, int64_t j, const float *gs, int gshift) {
+static inline float scalar_int4(const uint8_t *row, int64_t j, const void *gs, int gshift,
+                               int fmt) {
     uint8_t b = row[j >> 1];
-    const float *p = gs + 2 * (j >> gshift);
-    return (float)((j & 1) ? b >> 4 : b & 15) * p[0] + p[1];
+    float s, m;
+    int4_sm(gs, j >> gshift, fmt, &s, &m);
+    return (float)((j & 1) ? b >> 4 : b & 15) * s + m;
 }
 
 /* Row `row` of a weight of rows of k elements in fmt. */
 static inline const void *row_at(const void *base, int64_t row, int64_t k, int fmt) {
-    return (const char *)base + (fmt == FT_INT4 ? row * k / 2 : row * k * (fmt == FT_E4M3 ? 1 : 2));
+    return (const char *)base + (is_int4(fmt) ? row * k / 2 : row * k * (fmt == FT_E4M3 ? 1 : 2));
 }
 
 /* Whether fmt's rows meet x in paired order (paired_index). */
-static inline int paired_fmt(int fmt) { return fmt == 0 || fmt == FT_INT4; }
+static inline int paired_fmt(int fmt) { return fmt == 0 || is_int4(fmt); }
 
 /* dst = x * its block's scale * E4M3_UNIT, column j's scale srow[j / bk]: an fp8 row
  * block's x (load_e4m3's weights are 1/E4M3_UNIT of theirs). */
@@ -258,7 +283,7 @@ static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
  * block's first VW lanes, hi: the rest), each multiplied into the NT tokens' accumulators
  * lo_acc and hi_acc (the same array where the halves share one chain). */
 static inline __attribute__((always_inline)) void
-tile_block(const void *const *w, const float *const *gs, const int gshift, const float *const *x,
+tile_block(const void *const *w, const void *const *gs, const int gshift, const float *const *x,
            const int j, const int NR, const int NT, const int fmt, vf (*lo_acc)[MAXT],
            vf (*hi_acc)[MAXT]) {
     vf xl[MAXT], xh[MAXT];
@@ -277,7 +302,7 @@ tile_block(const void *const *w, const float *const *gs, const int gshift, const
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
         vf lo, hi;
-        __builtin_prefetch((const char *)w[r] + (fmt == FT_INT4 ? j / 2 : j * (fmt == FT_E4M3 ? 1 : 2)) + PF_BYTES, 0, 1);
+        __builtin_prefetch((const char *)w[r] + (is_int4(fmt) ? j / 2 : j * (fmt == FT_E4M3 ? 1 : 2)) + PF_BYTES, 0, 1);
         if (fmt == 0) {
             vu32 lanes;
             memcpy(&lanes, (const uint16_t *)w[r] + j, sizeof lanes);
@@ -286,9 +311,10 @@ tile_block(const void *const *w, const float *const *gs, const int gshift, const
             memcpy(&hi, &b, sizeof hi);
         } else if (fmt == FT_E4M3) {
             load_e4m3((const uint8_t *)w[r] + j, &lo, &hi);
-        } else if (fmt == FT_INT4) {
-            const float *p = gs[r] + 2 * (j >> gshift);
-            load_int4((const uint8_t *)w[r] + j / 2, p[0], p[1], &lo, &hi);
+        } else if (is_int4(fmt)) {
+            float s, m;
+            int4_sm(gs[r], j >> gshift, fmt, &s, &m);
+            load_int4((const uint8_t *)w[r] + j / 2, s, m, &lo, &hi);
         } else {
             lo = load_w((const uint16_t *)w[r] + j, 1);
             hi = load_w((const uint16_t *)w[r] + j + VW, 1);
@@ -309,7 +335,7 @@ tile_block(const void *const *w, const float *const *gs, const int gshift, const
  * below, four (two blocks an iteration). (One row by one token on two chains: 4 cycles a
  * block, the batch-1 decode's bound with its weights in cache; on four, ~0.6x that.) */
 static inline __attribute__((always_inline)) void
-dot_tile(const void *const *w, const float *const *gs, const int gshift, const float *const *x,
+dot_tile(const void *const *w, const void *const *gs, const int gshift, const float *const *x,
          const int k, const int NR, const int NT, const int fmt, float *res) {
     const int C = NR * NT >= 8 ? 1 : 2;    /* chains a block */
     const int U = NR * NT >= 4 ? 1 : 2;    /* blocks an iteration */
@@ -340,23 +366,24 @@ dot_tile(const void *const *w, const float *const *gs, const int gshift, const f
             float s = hsum(sum);
             for (int q = j; q < k; q++)
                 s += (fmt == FT_E4M3 ? scalar_e4m3(((const uint8_t *)w[r])[q])
-                      : fmt == FT_INT4 ? scalar_int4((const uint8_t *)w[r], q, gs[r], gshift)
+                      : is_int4(fmt) ? scalar_int4((const uint8_t *)w[r], q, gs[r], gshift, fmt)
                                        : scalar_w((const uint16_t *)w[r] + q, fmt)) * x[t][q];
             res[r * MAXT + t] = s;
         }
 }
 
 /* The tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time: one specialised
- * body per shape. int4: gs[r] row r's (scale, -zero * scale) pair per group of 2^gshift
- * columns (NULL for the other formats). */
-static inline void dots(const void *const *w, const float *const *gs, int gshift,
+ * body per shape. int4: gs[r] row r's scales (int4_sm's), a group of 2^gshift columns each
+ * (NULL for the other formats). */
+static inline void dots(const void *const *w, const void *const *gs, int gshift,
                         const float *const *x, int k, int nr, int nt, int fmt, float *res) {
 #define CASE(R, T)                                                              \
     if (nr == R && nt == T) {                                                   \
         if (fmt == 0) dot_tile(w, gs, gshift, x, k, R, T, 0, res);              \
         else if (fmt == 1) dot_tile(w, gs, gshift, x, k, R, T, 1, res);         \
         else if (fmt == FT_E4M3) dot_tile(w, gs, gshift, x, k, R, T, FT_E4M3, res); \
-        else dot_tile(w, gs, gshift, x, k, R, T, FT_INT4, res);                 \
+        else if (fmt == FT_INT4) dot_tile(w, gs, gshift, x, k, R, T, FT_INT4, res); \
+        else dot_tile(w, gs, gshift, x, k, R, T, FT_INT4S, res);                \
         return;                                                                 \
     }
     CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
@@ -378,9 +405,10 @@ static inline void dots(const void *const *w, const float *const *gs, int gshift
  * scales applies to their four pair products summed, and W = (q - z) s becomes
  *     sum_j W_j x_j = sum_groups s (sum_j (128 + q_j) x_j) + (m - 128 s) X,   m = -z s,
  * with X the group's sum of x: the second term is the pairs (s, m) against (-128 X, X) per
- * group, one FMA a block. x is rounded to bf16 once (i4b_prepare: the activations of a
- * bf16 model are bf16), X summed from the rounded values; the products are exact and their
- * sums float32, ~5e-7 of sum |W x| off the float32 one (the offset's cancellation). */
+ * group (FT_INT4S: s against -136 X), one FMA a block. x is rounded to bf16 once
+ * (i4b_prepare: the activations of a bf16 model are bf16), X summed from the rounded values;
+ * the products are exact and their sums float32, ~5e-7 of sum |W x| off the float32 one (the
+ * offset's cancellation). */
 #if VW == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define FT_I4B 1
 #else
@@ -402,8 +430,10 @@ static inline int64_t i4b_index(int64_t e) {
 }
 
 /* One row of x (float32, k elements) -> xb [k] bf16 in i4b_index's order (nearest even)
- * and x2 [2 * k / G] the pairs (-128 X, X) of each group's sum X of the rounded values. */
-static inline void i4b_prepare(const float *x, int64_t k, int gshift, uint16_t *xb, float *x2) {
+ * and x2 [2 * k / G] from each group's sum X of the rounded values: the pairs (-128 X, X)
+ * for FT_INT4's (s, m), -136 X (the first k / G) for FT_INT4S's s (m = -8 s). */
+static inline void i4b_prepare(const float *x, int64_t k, int gshift, int fmt, uint16_t *xb,
+                               float *x2) {
     const int64_t groups = k >> gshift;
     for (int64_t g = 0; g < groups; g++) {
         float sum = 0.f;
@@ -414,25 +444,45 @@ static inline void i4b_prepare(const float *x, int64_t k, int gshift, uint16_t *
             xb[i4b_index(e)] = (uint16_t)(u >> 16);
             sum += f;
         }
-        x2[2 * g] = -128.f * sum;
-        x2[2 * g + 1] = sum;
+        if (fmt == FT_INT4) {
+            x2[2 * g] = -128.f * sum;
+            x2[2 * g + 1] = sum;
+        } else {
+            x2[g] = -136.f * sum;
+        }
     }
 }
 
 #if FT_I4B
-/* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows (gs[r]: their (s, m) pairs) and NT tokens
- * in i4b's form (xb[t], x2[t]), k a multiple of I4B_BLOCK. */
+/* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm the
+ * values x2 meets (FT_INT4: the (s, m) pairs; FT_INT4S: the s), s each lane's group's s. */
 static inline __attribute__((always_inline)) void
-i4b_tile(const void *const *w, const float *const *gs, const int gshift, const uint16_t *const *xb,
-         const float *const *x2, const int64_t k, const int NR, const int NT, float *res) {
+i4b_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *sm, __m512 *s) {
+    const int g = 1 << gshift, stride = fmt == FT_INT4 ? 2 : 1;     /* floats a group in sm */
+    const __m512i lane = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                       : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                 : _mm512_setzero_si512();
+    const __mmask16 mask = (__mmask16)((1u << (stride * groups)) - 1);
+    if (fmt == FT_INT4) {
+        *sm = _mm512_maskz_loadu_ps(mask, (const float *)gs + 2 * g0);
+    } else {
+        __m128i h = _mm_maskz_loadu_epi16((__mmask8)mask, (const uint16_t *)gs + g0);
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_zextsi128_si256(h));
+        *sm = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));       /* bf16 -> float32 */
+    }
+    *s = _mm512_permutexvar_ps(stride == 2 ? _mm512_add_epi32(lane, lane) : lane, *sm);
+}
+
+/* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows in FMT (gs[r]: their scales) and NT
+ * tokens in i4b's form (xb[t], x2[t]), k a multiple of I4B_BLOCK. */
+static inline __attribute__((always_inline)) void
+i4b_tile(const void *const *w, const void *const *gs, const int gshift, const uint16_t *const *xb,
+         const float *const *x2, const int64_t k, const int NR, const int NT, const int FMT,
+         float *res) {
     const __m512i low = _mm512_set1_epi8(0x0f), hi_byte = _mm512_set1_epi8(0x43);
-    const int g = 1 << gshift;
-    /* the pair of lane L's group within the block's first pair: its s, for every lane */
-    const __m512i lane_s = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
-                         : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
-                                   : _mm512_setzero_si512();
+    const int g = 1 << gshift, stride = FMT == FT_INT4 ? 2 : 1;
     const int pairs = g >= I4B_BLOCK ? 1 : I4B_BLOCK / g;       /* a block's groups */
-    const __mmask16 mask = (__mmask16)((1u << (2 * pairs)) - 1);
+    const __mmask16 mask = (__mmask16)((1u << (stride * pairs)) - 1);
     __m512 acc[MAXR][MAXT], cor[MAXR][MAXT];
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
@@ -452,8 +502,8 @@ i4b_tile(const void *const *w, const float *const *gs, const int gshift, const u
                               (__m512bh)_mm512_unpackhi_epi8(lo, hi_byte),
                               (__m512bh)_mm512_unpacklo_epi8(hi, hi_byte),
                               (__m512bh)_mm512_unpackhi_epi8(hi, hi_byte)};
-            __m512 sm = _mm512_maskz_loadu_ps(mask, gs[r] + 2 * (j >> gshift));
-            __m512 s = _mm512_permutexvar_ps(lane_s, sm);
+            __m512 sm, s;
+            i4b_scales(gs[r], j >> gshift, pairs, gshift, FMT, &sm, &s);
             #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 const __m512i *xv = (const __m512i *)(xb[t] + j);
@@ -463,8 +513,8 @@ i4b_tile(const void *const *w, const float *const *gs, const int gshift, const u
                 d1 = _mm512_dpbf16_ps(d1, wv[3], (__m512bh)_mm512_loadu_si512(xv + 3));
                 acc[r][t] = _mm512_fmadd_ps(s, _mm512_add_ps(d0, d1), acc[r][t]);
                 if (first)
-                    cor[r][t] = _mm512_fmadd_ps(sm, _mm512_maskz_loadu_ps(mask, x2[t] + 2 * (j >> gshift)),
-                                                cor[r][t]);
+                    cor[r][t] = _mm512_fmadd_ps(
+                        sm, _mm512_maskz_loadu_ps(mask, x2[t] + stride * (j >> gshift)), cor[r][t]);
             }
         }
     }
@@ -477,20 +527,22 @@ i4b_tile(const void *const *w, const float *const *gs, const int gshift, const u
 #endif
 
 /* i4b_tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time (dots' shapes). */
-static inline void i4b_dots(const void *const *w, const float *const *gs, int gshift,
+static inline void i4b_dots(const void *const *w, const void *const *gs, int gshift,
                             const uint16_t *const *xb, const float *const *x2, int64_t k, int nr,
-                            int nt, float *res) {
+                            int nt, int fmt, float *res) {
 #if FT_I4B
-#define CASE(R, T)                                                  \
-    if (nr == R && nt == T) {                                       \
-        i4b_tile(w, gs, gshift, xb, x2, k, R, T, res);              \
-        return;                                                     \
+#define CASE(R, T)                                                                  \
+    if (nr == R && nt == T) {                                                       \
+        if (fmt == FT_INT4) i4b_tile(w, gs, gshift, xb, x2, k, R, T, FT_INT4, res);   \
+        else i4b_tile(w, gs, gshift, xb, x2, k, R, T, FT_INT4S, res);               \
+        return;                                                                     \
     }
     CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
     CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
 #undef CASE
 #else
-    (void)w, (void)gs, (void)gshift, (void)xb, (void)x2, (void)k, (void)nr, (void)nt, (void)res;
+    (void)w, (void)gs, (void)gshift, (void)xb, (void)x2, (void)k, (void)nr, (void)nt, (void)fmt,
+        (void)res;
 #endif
 }
 

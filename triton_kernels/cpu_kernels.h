@@ -6,7 +6,7 @@
 #include <stdint.h>
 
 int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
-              const float *scales, int64_t bn, int64_t bk, const float *bias, int64_t n,
+              const void *scales, int64_t bn, int64_t bk, const float *bias, int64_t n,
               int64_t k, void *out, int ofmt, int threads);
 int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_t hk,
                    int64_t dh, const float *q_norm, const float *k_norm, float eps,
@@ -17,7 +17,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                    int threads, float *q_scratch, void *out);
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
            const float *wts, int64_t t_count, int64_t k_count, const void *w13, const void *w2,
-           const float *s13, const float *s2, int64_t bn, int64_t bk, const float *b13,
+           const void *s13, const void *s2, int64_t bn, int64_t bk, const float *b13,
            const float *b2, int64_t slots, int64_t d, int64_t width, int fmt, int kind,
            float alpha, float limit, int threads, float *act, float *acc, void *out, int ofmt);
 void ft_rms_norm(const uint16_t *x, const uint16_t *residual, const uint16_t *w, float eps,
@@ -25,8 +25,8 @@ void ft_rms_norm(const uint16_t *x, const uint16_t *residual, const uint16_t *w,
                  int threads);
 void ft_topk_softmax(const void *logits, int fmt, int64_t t_count, int64_t e_count,
                      int64_t k, int renorm, float *weights, int64_t *ids, int wfmt);
-void ft_int4_decode(const uint8_t *q, const float *gs, const int64_t *idx, int64_t n_idx,
-                    int64_t n, int64_t k, int64_t g, uint16_t *out, int threads);
+void ft_int4_decode(const uint8_t *q, const void *gs, int fmt, const int64_t *idx,
+                    int64_t n_idx, int64_t n, int64_t k, int64_t g, uint16_t *out, int threads);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
 
 #endif

@@ -19,14 +19,14 @@
 #include "cpu_dot.h"
 
 int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
-              const float *scales, int64_t bn, int64_t bk,
+              const void *scales, int64_t bn, int64_t bk,
               const float *bias, int64_t n, int64_t k, void *out, int ofmt, int threads) {
-    const int gshift = wfmt == FT_INT4 ? __builtin_ctzll((unsigned long long)bk) : 0;
-    if (wfmt == FT_INT4 && (bk < 2 * VW || (bk & (bk - 1)) || k % bk))
+    const int gshift = is_int4(wfmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
+    if (is_int4(wfmt) && (bk < 2 * VW || (bk & (bk - 1)) || k % bk))
         return -3;
     /* x widened to float32 (wide), then each row in the weight format's order (paired_index);
      * int4 against bf16 x: in the pair products' form instead (cpu_dot.h's i4b: xb, x2). */
-    const int i4b = wfmt == FT_INT4 && i4b_takes(k, xfmt);
+    const int i4b = is_int4(wfmt) && i4b_takes(k, xfmt);
     const int xorder = i4b ? 2 : wfmt;      /* widen_rows's: a format that does not pair */
     const int64_t tc = t_count ? t_count : 1, gx = i4b ? 2 * (k >> gshift) : 0;
     float *wide = malloc(2 * tc * k * sizeof *wide + tc * gx * sizeof *wide
@@ -54,7 +54,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
         if (i4b) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < t_count; t++)
-                i4b_prepare(wide + t * k, k, gshift, xb + t * k, x2 + t * gx);
+                i4b_prepare(wide + t * k, k, gshift, wfmt, xb + t * k, x2 + t * gx);
         }
         /* item = `rows` weight rows, for every token: one sequential stream (one row at a
          * time) below MAXT tokens, MAXR rows sharing each x load from there. */
@@ -84,14 +84,15 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     if (wfmt == FT_E4M3)
                         nr = fp8_rows(r, nr, bn, bk, &block, xs, xv, nt, xsc, k, scales, cb);
                     const void *ws[MAXR];
-                    const float *gs[MAXR];
+                    const void *gs[MAXR];
                     for (int q = 0; q < nr; q++) {
                         ws[q] = row_at(w, r + q, k, wfmt);
-                        gs[q] = wfmt == FT_INT4 ? scales + (r + q) * (k >> gshift) * 2 : NULL;
+                        gs[q] = is_int4(wfmt) ? int4_row_scales(scales, r + q, k >> gshift, wfmt)
+                                              : NULL;
                     }
                     float res[MAXR * MAXT];
                     if (i4b)
-                        i4b_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, res);
+                        i4b_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, wfmt, res);
                     else
                         dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, res);
                     for (int q = 0; q < nr; q++)

@@ -43,7 +43,7 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
            const float *wts,
            int64_t t_count, int64_t k_count, const void *w13, const void *w2,
-           const float *s13, const float *s2, int64_t bn, int64_t bk,
+           const void *s13, const void *s2, int64_t bn, int64_t bk,
            const float *b13, const float *b2, int64_t slots, int64_t d, int64_t width,
            int fmt, int kind, float alpha, float limit, int threads, float *act, float *acc,
            void *out, int ofmt) {
@@ -51,12 +51,12 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     const int64_t rb13 = (2 * width + bn - 1) / bn, cb13 = (d + bk - 1) / bk;
     const int64_t rb2 = (d + bn - 1) / bn, cb2 = (width + bk - 1) / bk;
     /* int4: the group's log2 (bk = G), and a row's group pairs (2 floats a group) */
-    const int gshift = fmt == FT_INT4 ? __builtin_ctzll((unsigned long long)bk) : 0;
-    if (fmt == FT_INT4 && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
+    const int gshift = is_int4(fmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
+    if (is_int4(fmt) && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
         return -3;
     /* int4 against bf16 x: the pair products (cpu_dot.h's i4b), the activations rounded to
      * bf16 as a bf16 model's are */
-    const int i4b = fmt == FT_INT4 && i4b_takes(d, xfmt) && i4b_takes(width, 0);
+    const int i4b = is_int4(fmt) && i4b_takes(d, xfmt) && i4b_takes(width, 0);
     const int64_t pairs = t_count * k_count;
     /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
@@ -142,7 +142,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         if (i4b) {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < t_count; t++)
-                i4b_prepare(wide + t * d, d, gshift, xb + t * d, x2 + t * gx);
+                i4b_prepare(wide + t * d, d, gshift, fmt, xb + t * d, x2 + t * gx);
         }
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
@@ -177,16 +177,16 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         int nr = i + together <= i1 ? together : 1;
                         if (fmt == FT_E4M3)
                             nr = fp8_rows(row, nr, bn, bk, &block, xs, xv, nt, xsc, d,
-                                          s13 + s * rb13 * cb13, cb13);
+                                          (const float *)s13 + s * rb13 * cb13, cb13);
                         const void *w[MAXR];
-                        const float *gs[MAXR];
+                        const void *gs[MAXR];
                         for (int r = 0; r < nr; r++) {
                             w[r] = row_at(w13, s * 2 * width + row + r, d, fmt);
-                            gs[r] = fmt == FT_INT4 ? s13 + (s * 2 * width + row + r) * cb13 * 2
-                                                   : NULL;
+                            gs[r] = is_int4(fmt) ? int4_row_scales(s13, s * 2 * width + row + r,
+                                                                   cb13, fmt) : NULL;
                         }
                         if (i4b)
-                            i4b_dots(w, gs, gshift, xsb, xs2, d, nr, nt, res[i - i0]);
+                            i4b_dots(w, gs, gshift, xsb, xs2, d, nr, nt, fmt, res[i - i0]);
                         else
                             dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, res[i - i0]);
                         i += nr;
@@ -208,7 +208,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         if (i4b) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < pairs; p++)
-                i4b_prepare(act + p * width, width, gshift, actb + p * width, a2 + p * ga);
+                i4b_prepare(act + p * width, width, gshift, fmt, actb + p * width, a2 + p * ga);
         }
         /* Down: item = down_rows output rows of every token, summed over its experts by slot. */
         for (;;) {
@@ -237,16 +237,17 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         int nr = r + together <= r1 ? together : 1;
                         if (fmt == FT_E4M3)
                             nr = fp8_rows(r, nr, bn, bk, &block, hs, hv, nt, xsc, width,
-                                          s2 + s * rb2 * cb2, cb2);
+                                          (const float *)s2 + s * rb2 * cb2, cb2);
                         const void *w[MAXR];
-                        const float *gs[MAXR];
+                        const void *gs[MAXR];
                         for (int q = 0; q < nr; q++) {
                             w[q] = row_at(w2, s * d + r + q, width, fmt);
-                            gs[q] = fmt == FT_INT4 ? s2 + (s * d + r + q) * cb2 * 2 : NULL;
+                            gs[q] = is_int4(fmt) ? int4_row_scales(s2, s * d + r + q, cb2, fmt)
+                                                 : NULL;
                         }
                         float res[MAXR * MAXT];
                         if (i4b)
-                            i4b_dots(w, gs, gshift, hsb, hs2, width, nr, nt, res);
+                            i4b_dots(w, gs, gshift, hsb, hs2, width, nr, nt, fmt, res);
                         else
                             dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, res);
                         for (int q = 0; q < nr; q++)
@@ -271,24 +272,26 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
 }
 
 /* Experts of an int4 bank decoded to bf16, for a prefill chunk's AMX products: out[i] =
- * expert idx[i] of q [E, N, K/2] with its group pairs gs [E, N, K/G, 2] (W = q s + m, the
- * reference's float32 value), rounded to bf16 (nearest even) in element order. G a power of
- * two from 2 * VW. Rows shared among the threads. */
-void ft_int4_decode(const uint8_t *q, const float *gs, const int64_t *idx, int64_t n_idx,
-                    int64_t n, int64_t k, int64_t g, uint16_t *out, int threads) {
+ * expert idx[i] of q [E, N, K/2] with its group scales gs in fmt (FT_INT4: pairs [E, N, K/G,
+ * 2] float32; FT_INT4S: [E, N, K/G] bf16; W = q s + m, the reference's float32 value),
+ * rounded to bf16 (nearest even) in element order. G a power of two from 2 * VW. Rows shared
+ * among the threads. */
+void ft_int4_decode(const uint8_t *q, const void *gs, int fmt, const int64_t *idx,
+                    int64_t n_idx, int64_t n, int64_t k, int64_t g, uint16_t *out, int threads) {
     const int gshift = __builtin_ctzll((unsigned long long)g);
     const int64_t rows = n_idx * n;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t e = idx[r / n], row = e * n + r % n;
         const uint8_t *src = q + row * (k / 2);
-        const float *pairs = gs + row * (k >> gshift) * 2;
+        const void *scales = int4_row_scales(gs, row, k >> gshift, fmt);
         uint16_t *dst = out + r * k;
         int64_t j = 0;
         for (; j + 2 * VW <= k; j += 2 * VW) {
             vf lo, hi;                              /* elements j + 2i and j + 2i + 1 */
-            const float *p = pairs + 2 * (j >> gshift);
-            load_int4(src + j / 2, p[0], p[1], &lo, &hi);
+            float s, m;
+            int4_sm(scales, j >> gshift, fmt, &s, &m);
+            load_int4(src + j / 2, s, m, &lo, &hi);
             vu32 a, b;
             memcpy(&a, &lo, sizeof a);
             memcpy(&b, &hi, sizeof b);
@@ -298,7 +301,7 @@ void ft_int4_decode(const uint8_t *q, const float *gs, const int64_t *idx, int64
             memcpy(dst + j, &both, sizeof both);
         }
         for (; j < k; j++) {
-            float f = scalar_int4(src, j, pairs, gshift);
+            float f = scalar_int4(src, j, scales, gshift, fmt);
             uint32_t u;
             memcpy(&u, &f, sizeof u);
             u += 0x7fffu + ((u >> 16) & 1u);

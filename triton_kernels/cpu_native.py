@@ -54,6 +54,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the k
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 _WEIGHT_FORMATS = {**_FORMATS, E4M3: 3, torch.uint8: 4}   # cpu_dot.h's FT_E4M3, FT_INT4
+INT4_BF16_SCALES = 5                                      # cpu_dot.h's FT_INT4S
 _IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
@@ -72,7 +73,7 @@ class NativeKernels:
         fn.restype = c_int
         self._moe = fn
         fn = lib.ft_int4_decode
-        fn.argtypes = [p, p, p, i64, i64, i64, i64, p, c_int]
+        fn.argtypes = [p, p, c_int, p, i64, i64, i64, i64, p, c_int]
         fn.restype = None
         self._int4_decode = fn
         fn = lib.ft_linear
@@ -140,18 +141,21 @@ class NativeKernels:
             if fp8:
                 want13 = (slots, -(-2 * width // bn), -(-d // bk))
                 want2 = (slots, -(-d // bn), -(-width // bk))
+                ok = all(_scales_fit(t, want, torch.float32) for t, want in
+                         ((s13, want13), (s2, want2)))
             else:
-                want13 = (slots, 2 * width, d // max(bk, 1), 2)
-                want2 = (slots, d, width // max(bk, 1), 2)
-            if not (isinstance(s13, torch.Tensor) and isinstance(s2, torch.Tensor)
-                    and s13.dtype == s2.dtype == torch.float32 and s13.is_contiguous()
-                    and s2.is_contiguous() and tuple(s13.shape) == want13
-                    and tuple(s2.shape) == want2
-                    and (fp8 or (bn == 1 and bk >= 32 and bk & (bk - 1) == 0
-                                 and d % bk == 0 and width % bk == 0))):
-                raise ValueError(f"native MoE: {'fp8' if fp8 else 'int4'} experts need float32 "
-                                 f"{'block' if fp8 else 'group'} scales {list(want13)} and "
-                                 f"{list(want2)} for block {block}, got "
+                want13 = (slots, 2 * width, d // max(bk, 1))
+                want2 = (slots, d, width // max(bk, 1))
+                ok = (_int4_format(s13, want13) is not None
+                      and _int4_format(s13, want13) == _int4_format(s2, want2)
+                      and bn == 1 and bk >= 32 and bk & (bk - 1) == 0
+                      and d % bk == 0 and width % bk == 0)
+            if not ok:
+                kind = "float32 block" if fp8 else "group"
+                forms = "" if fp8 else " (bf16, or float32 pairs [.., 2])"
+                raise ValueError(f"native MoE: {'fp8' if fp8 else 'int4'} experts need {kind} "
+                                 f"scales {list(want13)} and {list(want2)}{forms} for block "
+                                 f"{block}, got "
                                  f"{None if s13 is None else tuple(s13.shape)} and "
                                  f"{None if s2 is None else tuple(s2.shape)}")
         if not (w13.dtype == w2.dtype and (self.handles(w13.dtype) or fp8 or int4)
@@ -161,28 +165,32 @@ class NativeKernels:
             raise ValueError(f"native MoE: w13 [S, 2I, D] and w2 [S, D, I] in one 16-bit dtype "
                              f"(or fp8, or int4 pairs) on the CPU expected, got w13 "
                              f"{tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}")
+        wfmt = _int4_format(s13, s13.shape[:3]) if int4 else _WEIGHT_FORMATS[w13.dtype]
         return MoeCall(self._moe, w13, w2, s13, s2, (bn, bk) if fp8 or int4 else (1, 1),
                        [None if b is None else b.float().contiguous() for b in (b13, b2)],
-                       slots, d, width)
+                       slots, d, width, wfmt)
 
     def int4_decode(self, q: torch.Tensor, gs: torch.Tensor, group: int,
                     experts: torch.Tensor) -> torch.Tensor:
-        """Experts `experts` (int64 [n]) of an int4 bank (q [E, N, K/2] uint8, gs [E, N, K/G, 2]
-        float32 (scale, -zero * scale) pairs) decoded -> [n, N, K] bf16, the reference's
-        values rounded once (nearest even), on torch's thread count."""
+        """Experts `experts` (int64 [n]) of an int4 bank (q [E, N, K/2] uint8, gs its
+        int4_scales: [E, N, K/G] bf16, or [E, N, K/G, 2] float32 (scale, -zero * scale)
+        pairs) decoded -> [n, N, K] bf16, the reference's values rounded once (nearest even),
+        on torch's thread count."""
         e, n, half = q.shape
         k = 2 * half
         idx = experts.contiguous().long()
-        if not (q.dtype == torch.uint8 and q.is_contiguous() and gs.dtype == torch.float32
-                and gs.is_contiguous() and group >= 32 and group & (group - 1) == 0
-                and k % group == 0 and tuple(gs.shape) == (e, n, k // group, 2)
+        fmt = _int4_format(gs, (e, n, k // max(group, 1)))
+        if not (q.dtype == torch.uint8 and q.is_contiguous() and fmt is not None
+                and group >= 32 and group & (group - 1) == 0 and k % group == 0
                 and idx.dim() == 1 and (not idx.numel() or (0 <= int(idx.min())
                                                           and int(idx.max()) < e))):
-            raise ValueError(f"native int4 decode: q [E, N, K/2] uint8, pairs [E, N, K/G, 2] "
-                             f"float32 and expert ids in range expected, got q "
+            raise ValueError(f"native int4 decode: q [E, N, K/2] uint8, scales [E, N, K/G] "
+                             f"bf16 or pairs [E, N, K/G, 2] float32, and expert ids in range "
+                             f"expected, got q "
                              f"{tuple(q.shape)} {q.dtype}, pairs {tuple(gs.shape)}, group {group}")
         out = torch.empty(idx.numel(), n, k, dtype=torch.bfloat16)
-        self._int4_decode(q.data_ptr(), gs.data_ptr(), idx.data_ptr(), idx.numel(), n, k, group,
+        self._int4_decode(q.data_ptr(), gs.data_ptr(), fmt, idx.data_ptr(), idx.numel(), n, k,
+                          group,
                           out.data_ptr(), torch.get_num_threads())
         return out
 
@@ -204,27 +212,27 @@ class NativeKernels:
         fp8, int4 = weight.dtype == E4M3, weight.dtype == torch.uint8
         n, k = weight.shape[0], weight.shape[-1] * (2 if int4 else 1)
         bn, bk = block
+        wfmt = _WEIGHT_FORMATS.get(weight.dtype)
         if fp8:
-            want = (-(-n // bn), -(-k // bk))
+            scaled = _scales_fit(scales, (-(-n // bn), -(-k // bk)), torch.float32)
         elif int4:
-            want = (n, k // max(bk, 1), 2)
+            wfmt = _int4_format(scales, (n, k // max(bk, 1)))
+            scaled = wfmt is not None
         if not ((self.handles(weight.dtype) or fp8 or int4) and weight.is_contiguous()
                 and weight.dim() == 2 and weight.device.type == "cpu"
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
                                       and bias.is_contiguous()))
-                and (not (fp8 or int4) or (isinstance(scales, torch.Tensor)
-                                           and scales.dtype == torch.float32
-                                           and scales.is_contiguous()
-                                           and tuple(scales.shape) == want))
+                and (not (fp8 or int4) or scaled)
                 and (not int4 or (bn == 1 and bk >= 32 and bk & (bk - 1) == 0 and k % bk == 0))):
             raise ValueError(f"native linear: a contiguous 16-bit weight [N, K] (or fp8 with "
                              f"float32 block scales [ceil(N/bn), ceil(K/bk)], or int4 with group "
-                             f"scales [N, K/G, 2]) on the CPU (bias [N] float32) expected, got "
+                             f"scales [N, K/G] bf16 or [N, K/G, 2] float32) on the CPU (bias [N] "
+                             f"float32) expected, got "
                              f"weight {tuple(weight.shape)} {weight.dtype}, scales "
                              f"{None if scales is None else tuple(scales.shape)}, block {block}")
         quant = fp8 or int4
-        return LinearCall(self._linear, weight, _WEIGHT_FORMATS[weight.dtype],
-                          scales if quant else None, block if quant else (1, 1), bias, n, k)
+        return LinearCall(self._linear, weight, wfmt, scales if quant else None,
+                          block if quant else (1, 1), bias, n, k)
 
     def attn_decode(self, qkv: torch.Tensor, heads: tuple[int, int, int], q_norm, k_norm,
                     eps: float, cos_sin: torch.Tensor, interleaved: bool,
@@ -376,13 +384,13 @@ class MoeCall:
     """NativeKernels.bind_moe's: (x [T, D], topk_weights, topk_ids, slot_map, activation,
     alpha, limit, out_dtype) -> [T, D] in out_dtype (only the call's own tensors checked)."""
 
-    def __init__(self, fn, w13, w2, s13, s2, block, biases, slots, d, width):
+    def __init__(self, fn, w13, w2, s13, s2, block, biases, slots, d, width, wfmt):
         self.fn, self.held = fn, (w13, w2, s13, s2, *biases)
         self.slots, self.d, self.width = slots, d, width
         self.weights = (w13.data_ptr(), w2.data_ptr(),
                         0 if s13 is None else s13.data_ptr(), 0 if s2 is None else s2.data_ptr(),
                         *block, *(0 if b is None else b.data_ptr() for b in biases),
-                        slots, d, width, _WEIGHT_FORMATS[w13.dtype])
+                        slots, d, width, wfmt)
 
     def __call__(self, x, topk_weights, topk_ids, slot_map=None, activation: str = "silu",
                  alpha: float = 1.702, limit: float = 7.0,
@@ -667,6 +675,31 @@ class NativeFp8Bank:
         self.nbytes = self.checkpoint_bytes + (prefill.nbytes if prefill is not None else 0)
 
 
+def _scales_fit(t, shape, dtype) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.is_contiguous()
+            and tuple(t.shape) == tuple(shape))
+
+
+def _int4_format(scales, groups_shape) -> int | None:
+    """The kernels' int4 format code for group scales of `groups_shape` ([.., N, K/G]):
+    FT_INT4 for float32 pairs [.., 2], FT_INT4S for bf16 scales (zero point 8); None if
+    they are neither."""
+    if _scales_fit(scales, (*groups_shape, 2), torch.float32):
+        return _WEIGHT_FORMATS[torch.uint8]
+    if _scales_fit(scales, groups_shape, torch.bfloat16):
+        return INT4_BF16_SCALES
+    return None
+
+
+def int4_scales(s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    """int4 scales [.., G groups] and zero points (None: symmetric, 8) -> the group scales
+    the native kernels read: a symmetric weight's bf16 scales as they are (2 bytes a group,
+    no copy where they are contiguous: W = (q - 8) s), else int4_group_pairs'."""
+    if z is None and s.dtype == torch.bfloat16:
+        return s.detach().contiguous()
+    return int4_group_pairs(s, z)
+
+
 def int4_group_pairs(s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
     """int4 scales [.., G groups] and zero points (None: symmetric, 8) -> the native kernels'
     float32 pairs [.., G, 2]: (s, -z * s), so a weight decodes as q * s + (-z * s), which is
@@ -681,8 +714,9 @@ class NativeInt4Bank:
     are, element 2j low; scales s [E, N, K/G] and zero points z uint8, or 8 where symmetric)
     that the native kernel computes: each group of G weights decoded in registers as
     q * s + m (m = -z * s: W = (q - z) * s, the reference's values; exactly, for 16-bit
-    scales), half a byte a weight read. gs [E, N, K/G, 2] float32 holds each group's (s, m):
-    8 bytes a group (G 128: 1/16 of the nibbles' bytes), the only bytes it adds. gemm: on a
+    scales), half a byte a weight read. gs (int4_scales): a symmetric bank's bf16 scales as
+    they are, [E, N, K/G] (2 bytes a group, read in place), else [E, N, K/G, 2] float32 pairs
+    (s, m), 8 bytes a group (G 32: half the nibbles' bytes), the only bytes it adds. gemm: on a
     CPU with AMX-BF16 (amx; default: this one's), fused_moe decodes a prefill chunk's used
     experts to bf16 (int4_decode: the reference's values) for AMX's products."""
 
@@ -702,12 +736,14 @@ class NativeInt4Bank:
                              f"{tuple(q.shape)} {q.dtype}, s {tuple(s.shape)} {s.dtype}, "
                              f"group {group}")
         self.q = q.detach().contiguous()
-        self.gs = int4_group_pairs(s, z)
+        self.gs = int4_scales(s, z)
         self.group, self.kernel = group, kernel
         self.gemm = has_amx_bf16() if amx is None else amx
         self.experts, self.n, self.k = experts, n, k
-        self.checkpoint_bytes = self.q.numel()
-        self.nbytes = self.q.numel() + self.gs.numel() * 4
+        # the bytes read in place (the nibbles, and a symmetric bank's own scales)
+        own = self.gs.data_ptr() != s.data_ptr()
+        self.checkpoint_bytes = self.q.numel() + (0 if own else self.gs.nbytes)
+        self.nbytes = self.q.numel() + self.gs.nbytes
 
 
 def moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
