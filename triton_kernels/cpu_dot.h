@@ -560,14 +560,17 @@ static inline void permute_row(const float *src, float *dst, int64_t k) {
 
 /* Within a parallel region, shared among its threads: x [T, K] in xfmt widened to float32
  * (wide), and for bf16 and int4 weights each row in their paired order into xp (xp == wide
- * for the others). Ends with the worksharing loop's barrier. */
+ * for the others), or, given xb, in i4b's form instead (xb [T, K], x2 [T, 2K / 2^gshift]:
+ * i4b_prepare's). Ends with the worksharing loop's barrier. */
 static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t k, int wfmt,
-                              float *wide, float *xp) {
+                              float *wide, float *xp, int gshift, uint16_t *xb, float *x2) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < t_count; t++) {
         for (int64_t j = 0; j < k; j++)
             wide[t * k + j] = load_as(x, t * k + j, xfmt);
-        if (paired_fmt(wfmt))
+        if (xb)
+            i4b_prepare(wide + t * k, k, gshift, wfmt, xb + t * k, x2 + t * 2 * (k >> gshift));
+        else if (paired_fmt(wfmt))
             permute_row(wide + t * k, xp + t * k, k);
     }
 }

@@ -27,13 +27,12 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
     /* x widened to float32 (wide), then each row in the weight format's order (paired_index);
      * int4 against bf16 x: in the pair products' form instead (cpu_dot.h's i4b: xb, x2). */
     const int i4b = is_int4(wfmt) && i4b_takes(k, xfmt);
-    const int xorder = i4b ? 2 : wfmt;      /* widen_rows's: a format that does not pair */
     const int64_t tc = t_count ? t_count : 1, gx = i4b ? 2 * (k >> gshift) : 0;
     float *wide = malloc(2 * tc * k * sizeof *wide + tc * gx * sizeof *wide
                          + (i4b ? tc * k * sizeof(uint16_t) : 0));
     if (!wide)
         return -1;
-    float *xp = paired_fmt(xorder) ? wide + t_count * k : wide;
+    float *xp = paired_fmt(wfmt) && !i4b ? wide + t_count * k : wide;
     float *x2 = wide + 2 * tc * k;
     uint16_t *xb = (uint16_t *)(x2 + tc * gx);
     const int64_t rows = item_rows(n, threads);
@@ -50,12 +49,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
-        widen_rows(x, xfmt, t_count, k, xorder, wide, xp);
-        if (i4b) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < t_count; t++)
-                i4b_prepare(wide + t * k, k, gshift, wfmt, xb + t * k, x2 + t * gx);
-        }
+        widen_rows(x, xfmt, t_count, k, wfmt, wide, xp, gshift, i4b ? xb : NULL, x2);
         /* item = `rows` weight rows, for every token: one sequential stream (one row at a
          * time) below MAXT tokens, MAXR rows sharing each x load from there. */
         for (;;) {

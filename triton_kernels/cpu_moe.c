@@ -99,12 +99,11 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     }
     /* x widened to float32 (wide), in the weight format's order (xp: paired for bf16);
      * i4b: x and the activations in its form (xb and x2, actb and a2) instead. */
-    const int xorder = i4b ? 2 : fmt;       /* widen_rows's: a format that does not pair */
     const int64_t gx = i4b ? 2 * (d >> gshift) : 0, ga = i4b ? 2 * (width >> gshift) : 0;
     const int64_t tc = t_count ? t_count : 1, pc = pairs ? pairs : 1;
     float *wide = malloc(2 * tc * d * sizeof *wide + (i4b ? tc * gx + pc * ga : 0) * sizeof *wide
                          + (i4b ? (tc * d + pc * width) * sizeof(uint16_t) : 0));
-    float *xp = paired_fmt(xorder) ? wide + t_count * d : wide;
+    float *xp = paired_fmt(fmt) && !i4b ? wide + t_count * d : wide;
     float *x2 = wide + 2 * tc * d, *a2 = x2 + tc * gx;
     uint16_t *xb = (uint16_t *)(a2 + pc * ga), *actb = xb + tc * d;
     if (!wide) {
@@ -138,12 +137,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
-        widen_rows(x, xfmt, t_count, d, xorder, wide, xp);
-        if (i4b) {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < t_count; t++)
-                i4b_prepare(wide + t * d, d, gshift, fmt, xb + t * d, x2 + t * gx);
-        }
+        widen_rows(x, xfmt, t_count, d, fmt, wide, xp, gshift, i4b ? xb : NULL, x2);
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
             int64_t item = idle ? n_used * i_blocks : __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
