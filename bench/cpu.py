@@ -223,6 +223,19 @@ def _find_convert(bench: Path) -> Path:
 
 # ---- the run ---------------------------------------------------------------------------------
 
+def l3_bytes() -> int | None:
+    """The largest cache's size (sysfs; None where it is not there)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        sizes.append(int(size.rstrip("KMG")) * unit)
+    return max(sizes) if sizes else None
+
+
 def _fmt(values) -> str:
     if not values:
         return "-"
@@ -282,6 +295,7 @@ def main(argv=None) -> int:
         active, total = active_bytes_per_token(model_dir, args.dtype)
         report.update(active_bytes_per_token=active, weight_bytes=total)
         actives = {"freetoken": active}
+        totals = {"freetoken": total}
         arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"])]
         if args.unpacked:
             arms.append(unpacked_arm(model_dir, args.dtype, shape["vocab_size"]))
@@ -295,7 +309,8 @@ def main(argv=None) -> int:
             qdir = Path(tmp) / f"model-{q}"
             shutil.copytree(model_dir, qdir)
             quantize_checkpoint(qdir, q)
-            actives[f"freetoken-{q}"] = active_bytes_per_token(qdir, args.dtype)[0]
+            actives[f"freetoken-{q}"], totals[f"freetoken-{q}"] = active_bytes_per_token(
+                qdir, args.dtype)
             arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"], name=f"freetoken-{q}"))
             if args.unpacked:
                 arms.append(unpacked_arm(qdir, args.dtype, shape["vocab_size"],
@@ -356,6 +371,15 @@ def main(argv=None) -> int:
     for name in actives:
         if name != "freetoken":
             print(f"{name}: {actives[name] / 1e9:.3f} GB active per token")
+    # A model whose weights fit in the last-level cache decodes partly from it: its roofline
+    # (a DRAM figure) then reads low for a kernel that is compute-bound, not slow to stream.
+    l3 = l3_bytes()
+    cached = [name for name in totals if l3 and totals[name] <= l3]
+    if cached:
+        print(f"within this CPU's {l3 / 2**20:.0f} MiB last-level cache: "
+              + ", ".join(f"{name} ({totals[name] / 1e9:.2f} GB of weights)" for name in cached)
+              + ": their b1 roofline is against DRAM, which they do not only read")
+    report.update(weight_bytes_per_arm=totals, llc_bytes=l3)
     # The bf16 engine against every arm, then each quantized arm against llama.cpp's nearest
     # type (FP8 against q8_0, 4-bit against q4_0: #21's pairs).
     pairs = [("freetoken", other) for other in res if other != "freetoken"]
