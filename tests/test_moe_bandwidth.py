@@ -238,6 +238,10 @@ def test_hybrid_takes_the_cpu_cost_it_measures_while_serving(ckpt, claim):
     assert report["hybrid_k"] == k_served, report["hybrid_k_source"]
     assert report["counters"]["cpu_cost_revisions"] >= 1
     assert "measured while serving" in report["hybrid_k_source"]
+    # the process's CPU time over the CPU's calls: some, and at most their threads' worth
+    c = report["counters"]
+    assert c["cpu_expert_calls"] > 0
+    assert 0 < c["cpu_expert_process_s"] <= c["cpu_expert_s"] * report["cpu_threads"] * 1.5 + 0.05
 
 
 def test_a_fixed_hybrid_k_is_never_revised(ckpt):

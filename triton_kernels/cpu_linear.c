@@ -9,9 +9,9 @@
  * widened once inside the call and y written in its dtype.
  *
  * Formats: w 0 bf16, 1 fp16, 3 fp8 e4m3 (scales [ceil(N/bn), ceil(K/bk)] f32, the scale of
- * each (bn, bk) block, applied to x per row block as cpu_moe.c does), 4 int4 ([N, K/2]
- * nibbles; scales [N, K/G, 2] f32, each group's (scale, -zero * scale), G = bk a power of
- * two from 2 * VW dividing K); else scales NULL; x and out
+ * each (bn, bk) block, applied to x per row block as cpu_moe.c does), 4 and 5 int4 ([N, K/2]
+ * nibbles; scales [N, K/G, 2] f32, each group's (scale, -zero * scale), or 5: [N, K/G] bf16,
+ * zero point 8; G = bk a power of two from 2 * VW dividing K); else scales NULL; x and out
  * 0 bf16, 1 fp16, 2 float32. Each output is one dot product summed in a fixed order (vector
  * lanes, then across them), plus the bias, rounded once to out's format (nearest even): the
  * same bits on any thread count.

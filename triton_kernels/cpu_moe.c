@@ -13,12 +13,13 @@
  * Shapes (P = T * k (token, expert) pairs, S slots in the banks, D hidden, I expert width):
  *   x [T, D] in xfmt (0 bf16, 1 fp16, 2 f32), ids [T, k] i64 (expert ids; slot_map [n_map]
  *   i64 maps them to slots, or NULL),
- *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] (fmt: 0 bf16, 1 fp16, 3 fp8 e4m3, 4 int4
- *   [.., K/2] bytes), rows [0, I) of w13 the gate and [I, 2I) the up; fp8: s13
+ *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] (fmt: 0 bf16, 1 fp16, 3 fp8 e4m3, 4 and
+ *   5 int4 [.., K/2] bytes), rows [0, I) of w13 the gate and [I, 2I) the up; fp8: s13
  *   [S, ceil(2I/bn), ceil(D/bk)] and s2 [S, ceil(D/bn), ceil(I/bk)] f32, the scale of each
  *   (bn, bk) block (x is scaled per block instead of the weights: a row block's x once for
  *   its rows); int4: s13 [S, 2I, D/G, 2] and s2 [S, D, I/G, 2] f32, each row's (scale,
- *   -zero * scale) per group of G = bk columns (a power of two from 32); else NULL;
+ *   -zero * scale) per group of G = bk columns (a power of two from 32), or (fmt 5) s13
+ *   [S, 2I, D/G] and s2 [S, D, I/G] bf16 scales, zero point 8; else NULL;
  *   b13 [S, 2I] and b2 [S, D] f32 or NULL;
  *   act [P, I] f32 and acc [T, D] f32 scratch; out [T, D] in ofmt (as xfmt; rounded once);
  *   threads: the team (the caller's torch thread count).
@@ -50,7 +51,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     /* fp8: the scales of row block rb and column block cb of an expert's w13 and w2. */
     const int64_t rb13 = (2 * width + bn - 1) / bn, cb13 = (d + bk - 1) / bk;
     const int64_t rb2 = (d + bn - 1) / bn, cb2 = (width + bk - 1) / bk;
-    /* int4: the group's log2 (bk = G), and a row's group pairs (2 floats a group) */
+    /* int4: the group's log2 (bk = G) */
     const int gshift = is_int4(fmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
     if (is_int4(fmt) && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
         return -3;

@@ -136,6 +136,7 @@ class NativeKernels:
         cols = 2 if int4 else 1                 # weights a stored element holds
         bn, bk = block
         s13 = s2 = None
+        wfmt = _WEIGHT_FORMATS.get(w13.dtype)
         if fp8 or int4:
             s13, s2 = scales if scales is not None else (None, None)
             if fp8:
@@ -146,10 +147,9 @@ class NativeKernels:
             else:
                 want13 = (slots, 2 * width, d // max(bk, 1))
                 want2 = (slots, d, width // max(bk, 1))
-                ok = (_int4_format(s13, want13) is not None
-                      and _int4_format(s13, want13) == _int4_format(s2, want2)
-                      and bn == 1 and bk >= 32 and bk & (bk - 1) == 0
-                      and d % bk == 0 and width % bk == 0)
+                wfmt = _int4_format(s13, want13)
+                ok = (wfmt is not None and wfmt == _int4_format(s2, want2) and bn == 1
+                      and bk >= 32 and bk & (bk - 1) == 0 and d % bk == 0 and width % bk == 0)
             if not ok:
                 kind = "float32 block" if fp8 else "group"
                 forms = "" if fp8 else " (bf16, or float32 pairs [.., 2])"
@@ -165,7 +165,6 @@ class NativeKernels:
             raise ValueError(f"native MoE: w13 [S, 2I, D] and w2 [S, D, I] in one 16-bit dtype "
                              f"(or fp8, or int4 pairs) on the CPU expected, got w13 "
                              f"{tuple(w13.shape)} {w13.dtype}, w2 {tuple(w2.shape)} {w2.dtype}")
-        wfmt = _int4_format(s13, s13.shape[:3]) if int4 else _WEIGHT_FORMATS[w13.dtype]
         return MoeCall(self._moe, w13, w2, s13, s2, (bn, bk) if fp8 or int4 else (1, 1),
                        [None if b is None else b.float().contiguous() for b in (b13, b2)],
                        slots, d, width, wfmt)
@@ -186,12 +185,11 @@ class NativeKernels:
                                                           and int(idx.max()) < e))):
             raise ValueError(f"native int4 decode: q [E, N, K/2] uint8, scales [E, N, K/G] "
                              f"bf16 or pairs [E, N, K/G, 2] float32, and expert ids in range "
-                             f"expected, got q "
-                             f"{tuple(q.shape)} {q.dtype}, pairs {tuple(gs.shape)}, group {group}")
+                             f"expected, got q {tuple(q.shape)} {q.dtype}, scales "
+                             f"{tuple(gs.shape)} {gs.dtype}, group {group}")
         out = torch.empty(idx.numel(), n, k, dtype=torch.bfloat16)
         self._int4_decode(q.data_ptr(), gs.data_ptr(), fmt, idx.data_ptr(), idx.numel(), n, k,
-                          group,
-                          out.data_ptr(), torch.get_num_threads())
+                          group, out.data_ptr(), torch.get_num_threads())
         return out
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,

@@ -51,7 +51,8 @@ def runtime_report(rt) -> dict:
             "prefetch_accuracy": (rt.prefetch_used / rt.prefetch_guessed
                                   if rt.prefetch_guessed else None),
             "cpu_experts": sum(rt.cpu_experts.values()), "cpu_expert_s": rt.cpu_seconds,
-            "cpu_expert_calls": rt.cpu_calls, "cpu_cost_revisions": rt.live_cpu.revisions,
+            "cpu_expert_calls": rt.cpu_calls, "cpu_expert_process_s": rt.cpu_process_seconds,
+            "cpu_cost_revisions": rt.live_cpu.revisions,
             "wave_steps": sum(rt.wave_steps.values()), "waves": sum(rt.waves.values()),
             "wave_evictions": rt.wave_evictions, "wave_refetches": rt.wave_refetches,
             "per_layer": per_layer},

@@ -119,6 +119,9 @@ class MoeRuntime:
         self.cpu_experts = {l: 0 for l in moe_layers}
         self.cpu_seconds = 0.0          # wall time of the CPU's expert products (all layers)
         self.cpu_calls = 0              # ... and how many calls they were
+        # the process's CPU time over those calls: against wall time x threads, how busy the
+        # team was (a slow call with its threads asleep or preempted reads far under 1)
+        self.cpu_process_seconds = 0.0
         self.live_cpu = LiveCpuCost()   # hybrid's CPU cost as serving measures it
         self._startup_cpu = None        # the CPU's costs before their first revision
         self.waves = {l: 0 for l in moe_layers}         # waves run (layer steps in waves only)
@@ -169,6 +172,7 @@ class MoeRuntime:
         self.cpu_experts = dict.fromkeys(self.cpu_experts, 0)
         self.cpu_seconds = 0.0
         self.cpu_calls = 0
+        self.cpu_process_seconds = 0.0
         self.waves = dict.fromkeys(self.waves, 0)
         self.wave_steps = dict.fromkeys(self.wave_steps, 0)
         self.wave_evictions = self.wave_refetches = 0
@@ -304,10 +308,11 @@ class MoeRuntime:
         return self.store.layout.run(x, c.pool, weights, ids, c.slot_map(layer))
 
     def _cpu(self, layer, x_h, w_h, ids_h, experts) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with torch_threads(self.cfg.cpu_threads):
             out = cpu_moe(self.store.layout, x_h, self.store.cpu_bank(layer), w_h, ids_h, experts)
         self.cpu_seconds += time.perf_counter() - t0
+        self.cpu_process_seconds += time.process_time() - c0
         self.cpu_calls += 1
         return out
 
