@@ -128,11 +128,13 @@ def decode_run(llm, batch: int, tokens: int) -> dict:
         if experts:     # the CPU's product per expert it computed, ms (decode's calls only)
             wall = cn["cpu_expert_s"] - c1["cpu_expert_s"]
             out["cpu_ms_per_expert"] = 1e3 * wall / experts
-            # the process's CPU seconds in those calls / (their wall time x the CPU experts'
-            # threads): ~1 when the team computes (or spins) throughout; far under 1 when its
-            # threads sleep or are preempted (a slow call's first suspect)
-            busy = cn["cpu_expert_process_s"] - c1["cpu_expert_process_s"]
-            out["cpu_busy"] = busy / (wall * llm.runner.moe_report()["cpu_threads"]) if wall else None
+            # the process's CPU seconds in the CPU's calls / (their wall time x its threads),
+            # over the long run (a difference of two runs' is noise at this size): ~1 when the
+            # team computes (or spins) throughout; far under 1 when its threads sleep or are
+            # preempted (a slow call's first suspect)
+            threads = llm.runner.moe_report()["cpu_threads"]
+            out["cpu_busy"] = (cn["cpu_expert_process_s"] / (cn["cpu_expert_s"] * threads)
+                               if cn["cpu_expert_s"] else None)
     return out
 
 
