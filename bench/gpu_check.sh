@@ -94,7 +94,7 @@ offload)
   timeout 420 python3 bench/offload.py --workdir /tmp --out "$OUT/offload.json" 2>&1 | tee "$OUT/offload.txt"
   ;;
 cpu-experts)
-  # #21's CPU side on this host (timeouts summing to 520 s): `ft bench bw` (the profile
+  # #21's CPU side on this host (timeouts summing to 540 s): `ft bench bw` (the profile
   # hybrid and auto read), one MoE layer's CPU products alone at the offload model's shape,
   # then the arms that use the CPU. The model is built first, not beside the CPU
   # measurements: its random weights keep every core busy (on 2026-12-04 bw and cpu_moe ran
@@ -103,9 +103,10 @@ cpu-experts)
   timeout 180 python3 bench/offload.py --model /tmp/offload-model --build-only 2>&1 | tail -3
   echo "== ft bench bw"
   timeout 40 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
-  echo "== one MoE layer on the CPU (128 experts, D 2048, I 768)"
-  timeout 50 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1,8,16 \
-    --formats "" --arms "bf16 native,bf16 packed" --reps 5 2>&1 | tee "$OUT/cpu_moe.txt"
+  echo "== one MoE layer on the CPU (128 experts, D 2048, I 768; INT4 g32 as Kimi-K2's)"
+  timeout 70 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1,8,16 \
+    --formats int4_g32 --arms "bf16 native,bf16 packed,int4_g32 native" --reps 5 2>&1 \
+    | tee "$OUT/cpu_moe.txt"
   for threads in 15 8; do       # all cores but one, half: a team fighting other threads?
     timeout 25 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1 \
       --formats "" --arms "bf16 native" --reps 5 --threads $threads 2>&1 | tee -a "$OUT/cpu_moe.txt"
