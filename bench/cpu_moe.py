@@ -3,8 +3,10 @@
 native kernel's, cpu_native.NativeBank, and the fp16-weight GEMM's, cpu_matmul.Fp16Bank, alone
 and with the CPU engine's CpuSplit) against each quantized format's CPU decode
 (triton_kernels/dequant_cpu.py), the packed forms of experts only the CPU computes (INT4's for
-the int4 GEMM, int4_cpu.py; the others decoded once to 16 bits, NativeBank.decoded, and
-Fp16Bank.decoded without the native kernel) and the float32 reference, in one run.
+the int4 GEMM, int4_cpu.py, and its nibbles on the native kernel, NativeInt4Bank; FP8 blocks'
+bytes on the native kernel, NativeFp8Bank, "bytes"; the others decoded once to 16 bits,
+NativeBank.decoded, and Fp16Bank.decoded without the native kernel) and the float32
+reference, in one run.
 
     python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
     python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
@@ -101,6 +103,10 @@ def main(argv=None) -> int:
                 arms[f"{name} native"] = (lambda x, w, ids, fmt=fmt, n13=n13, n2=n2:
                                           fused_moe_quant_cpu(x, fmt, n13, n2, w, ids))
         else:       # the 16-bit CPU engine's forms where RAM holds 2 bytes a weight
+            if fmt.kind == "fp8_block" and native is not None:   # and its bytes as they are
+                b13, b2 = (tk.NativeFp8Bank(q["q"], q["s"], fmt.block, native) for q in (q13, q2))
+                arms[f"{name} bytes"] = (lambda x, w, ids, fmt=fmt, b13=b13, b2=b2:
+                                         fused_moe_quant_cpu(x, fmt, b13, b2, w, ids))
             if native is not None:
                 m13, m2 = (tk.NativeBank.decoded((e, n, kk), lambda j, q=q: (
                                tk.dequantize_reference(fmt, {t: v[j] for t, v in q.items()},
