@@ -296,6 +296,23 @@ def test_native_int4_linear_pair_products_take_groups_longer_than_a_block(group,
         assert ((outs[0].double() - want).abs() <= bound).all(), t
 
 
+def test_decode_buffer_is_kept_per_thread_and_grown():
+    # A prefill chunk's decoded experts go to one buffer a thread, reused (fresh memory's
+    # page faults cost 7x the decode), grown when a call needs more, never shared by threads.
+    import threading
+    kernel = tk.native_kernels()
+    a = kernel.decode_buffer(1000)
+    assert a.dtype == torch.bfloat16 and a.numel() == 1000
+    assert kernel.decode_buffer(10).data_ptr() == a.data_ptr()          # reused
+    big = kernel.decode_buffer(5000)
+    assert big.numel() == 5000 and kernel.decode_buffer(3000).data_ptr() == big.data_ptr()
+    other = []
+    t = threading.Thread(target=lambda: other.append(kernel.decode_buffer(1000).data_ptr()))
+    t.start()
+    t.join()
+    assert other[0] != big.data_ptr()
+
+
 def test_native_int4_bank_refuses_bad_groups_and_mixed_banks():
     c = biased_experts(seed=1, t=2, d=64, i=32)
     kernel = tk.native_kernels()
@@ -345,6 +362,12 @@ def test_int4_bank_decodes_prefill_chunks_for_amx(symmetric, threads, monkeypatc
                        tk.fused_moe(c["x"][:1], *banks[False], *one, b13=b13, b2=b2))
     with pytest.raises(ValueError, match="int4 decode"):
         kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([9]))
+    # into a given buffer: the same bits; a buffer of the wrong size is refused
+    into = torch.full((2 * 128 * 128,), float("nan"), dtype=torch.bfloat16)
+    got_into = kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([4, 0]), out=into)
+    assert torch.equal(got_into, decoded) and got_into.data_ptr() == into.data_ptr()
+    with pytest.raises(ValueError, match="out of"):
+        kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([4, 0]), out=into[1:])
     # decoded experts past the budget (a large layer's): the native kernel on the nibbles
     import sys
     monkeypatch.setattr(sys.modules["triton_kernels.fused_moe"], "INT4_DECODE_BYTES", 1 << 10)

@@ -162,8 +162,12 @@ def _int4_amx_prefill(x, w13: NativeInt4Bank, w2, topk_weights, topk_ids, slot_m
         return None
     remap = torch.zeros(w13.experts, dtype=torch.long)
     remap[used] = torch.arange(used.numel())
-    up = w13.kernel.int4_decode(w13.q, w13.gs, w13.group, used)
-    down = w2.kernel.int4_decode(w2.q, w2.gs, w2.group, used)
+    # into the kernel's reused buffer (decode_buffer: fresh memory's page faults cost 7x the
+    # decode); the products below read it before this thread's next decode
+    n13, n2 = used.numel() * w13.n * w13.k, used.numel() * w2.n * w2.k
+    buf = w13.kernel.decode_buffer(n13 + n2)
+    up = w13.kernel.int4_decode(w13.q, w13.gs, w13.group, used, out=buf[:n13])
+    down = w2.kernel.int4_decode(w2.q, w2.gs, w2.group, used, out=buf[n13:])
     biases = [None if b is None else b[used].to(x.dtype) for b in (b13, b2)]
     run = _moe_grouped_torch if _grouped_exact(x, down, activation) else _moe_loop_torch
     return run(x, up, down, topk_weights, remap[slots], None, *biases, activation)
