@@ -115,21 +115,28 @@ def test_packed_experts_equal_the_reference(tokens):
 
 @pytest.mark.skipif(tk.native_kernels() is None, reason="no native kernels: no int4 decode")
 @pytest.mark.parametrize("amx", [True, False])
-def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx):
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx, symmetric):
     # A prefill chunk's rows (PREFILL_ROWS and more) on an AMX CPU: the checkpoint's nibbles
     # decoded to bf16 (the reference's weight, one rounding) and AMX's bf16 product, exactly
-    # F.linear on that weight; fewer rows, or no AMX: the int4 GEMM's product.
+    # F.linear on that weight; fewer rows, or no AMX: the int4 GEMM's product. The rows'
+    # scales: float32 pairs made for them (zero points), or a symmetric weight's own bf16
+    # scales, which add no bytes.
     from triton_kernels.cpu_linear import QuantRows
     from triton_kernels.int4_cpu import PREFILL_ROWS
     torch.manual_seed(5)
-    fmt = QuantFormat("int4", group=32, symmetric=False)
+    fmt = QuantFormat("int4", group=32, symmetric=symmetric)
     n, k = 48, 256
     w = random_weight(fmt, (), n, k)
+    if symmetric:
+        w["s"] = w["s"].bfloat16()              # compressed-tensors' symmetric form
     bias = torch.randn(n).bfloat16()
-    rows = QuantRows(w["q"], tk.int4_group_pairs(w["s"], w["z"]), (1, 32))
+    rows = QuantRows(w["q"], tk.int4_scales(w["s"], w.get("z")), (1, 32))
+    assert (rows.s.dtype == torch.bfloat16) == symmetric
     lin = tk.Int4Linear(fmt, w, bias, prefill=rows, amx=amx)
     assert (lin.prefill is not None) == amx
-    assert lin.nbytes == lin.packed.nbytes + (rows.s.numel() * 4 if amx else 0)
+    own = 0 if rows.s.dtype == torch.bfloat16 else rows.s.numel() * 4
+    assert lin.nbytes == lin.packed.nbytes + (own if amx else 0)
     decoded = dequantize_reference(fmt, w, torch.float32).bfloat16()
     for t in (1, 8, PREFILL_ROWS - 1, PREFILL_ROWS, 40):
         x = torch.randn(t, k).bfloat16()

@@ -38,9 +38,10 @@ GEMM_ROWS = 8       # from here, with AMX and a bf16 weight: torch's bf16 produc
 class QuantRows:
     """A weight's quantized form for the native GEMV (NativeKernels.linear): fp8, q [N, K]
     e4m3 with s [ceil(N/bn), ceil(K/bk)] float32 block scales, block (bn, bk); or int4,
-    q [N, K/2] nibbles with s [N, K/G, 2] float32 (scale, -zero * scale) pairs, block
-    (1, G). own: made for the product (a fused copy: its bytes count in CpuLinear.nbytes),
-    else a checkpoint's tensors."""
+    q [N, K/2] nibbles with s its cpu_native.int4_scales ([N, K/G] bf16, a symmetric
+    weight's own, or [N, K/G, 2] float32 (scale, -zero * scale) pairs), block (1, G). own:
+    made for the product (a fused copy: its bytes count in CpuLinear.nbytes), else a
+    checkpoint's tensors."""
     q: torch.Tensor
     s: torch.Tensor
     block: tuple[int, int]
@@ -48,7 +49,7 @@ class QuantRows:
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.s.numel() * 4
+        return self.q.numel() + self.s.nbytes
 
 
 

@@ -100,14 +100,20 @@ class Int4Linear:
         self.prefill = prefill if (prefill is not None and amx and kernel is not None) else None
         if self.prefill is not None:
             q, gs, (bn, group) = self.prefill.q, self.prefill.s, self.prefill.block
+            groups = (self.out_features, self.in_features // group)
             if not (q.shape == (self.out_features, self.in_features // 2) and bn == 1
-                    and gs.shape == (self.out_features, self.in_features // group, 2)):
-                raise ValueError(f"Int4Linear: prefill rows [N, K/2] with pairs [N, K/G, 2] "
-                                 f"for [{self.out_features}, {self.in_features}] expected, got "
-                                 f"{tuple(q.shape)}, {tuple(gs.shape)}")
+                    and (gs.shape == (*groups, 2) or (gs.shape == groups
+                                                      and gs.dtype == torch.bfloat16))):
+                raise ValueError(f"Int4Linear: prefill rows [N, K/2] with scales [N, K/G] bf16 "
+                                 f"or pairs [N, K/G, 2] for [{self.out_features}, "
+                                 f"{self.in_features}] expected, got {tuple(q.shape)}, "
+                                 f"{tuple(gs.shape)}")
             self.kernel = kernel
-        extra = 0 if self.prefill is None else (
-            self.prefill.nbytes if self.prefill.own else self.prefill.s.numel() * 4)
+        # its own bytes: a fused copy whole, else the pairs made for it (a symmetric
+        # weight's bf16 scales are the checkpoint's)
+        rows = self.prefill
+        extra = 0 if rows is None else (rows.nbytes if rows.own else 0 if
+                                         rows.s.dtype == torch.bfloat16 else rows.s.nbytes)
         self.nbytes = self.packed.nbytes + extra
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

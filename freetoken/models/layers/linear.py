@@ -136,8 +136,9 @@ class QuantLinear(nn.Module):
         checkpoint's tensors stay for dequantized()).
         - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py,
           Int4Linear), as many bytes; on an AMX CPU a prefill chunk's rows decode the
-          checkpoint's nibbles to bf16 for AMX's product instead (its float32 group pairs,
-          cpu_rows, a quarter of a byte a weight at G 32, beside them).
+          checkpoint's nibbles to bf16 for AMX's product instead (cpu_rows: a symmetric
+          weight's bf16 scales as they are, else float32 group pairs, a quarter of a byte a
+          weight at G 32, beside them).
         - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
           GEMM for: decoded once into a 2-byte copy for the CPU's products (cpu_linear: bf16
           for the native GEMV and AMX's GEMM in a bf16 model on an AMX CPU, else fp16 for the
@@ -168,8 +169,8 @@ class QuantLinear(nn.Module):
         """The checkpoint's bytes as the native GEMV reads them (decode rows: 1 byte a weight
         for fp8, half for int4, instead of a copy's 2), where it can: in a 16-bit model,
         with the native kernels built, fp8 with block scales (per-tensor: one block) and
-        int4 in groups of a power of two from 32 (its scales as float32 (scale,
-        -zero * scale) pairs, cpu_native.int4_group_pairs)."""
+        int4 in groups of a power of two from 32 (cpu_native.int4_scales: a symmetric
+        weight's bf16 scales as they are, else float32 (scale, -zero * scale) pairs)."""
         if tk.native_kernels() is None or self.dtype == torch.float32:
             return None
         q, g = self.q.detach(), self.fmt.group
@@ -180,7 +181,7 @@ class QuantLinear(nn.Module):
         if (self.fmt.kind == "int4" and g >= 32 and g & (g - 1) == 0
                 and self.in_features % g == 0):
             z = getattr(self, "z", None)
-            return tk.QuantRows(q, tk.int4_group_pairs(self.s, z), (1, g))
+            return tk.QuantRows(q, tk.int4_scales(self.s, z), (1, g))
         return None
 
     def cpu_dense(self) -> torch.Tensor | None:
