@@ -313,6 +313,22 @@ def test_decode_buffer_is_kept_per_thread_and_grown():
     assert other[0] != big.data_ptr()
 
 
+def test_native_int4_banks_in_both_scale_forms_run_as_pairs(threads):
+    # w13 symmetric with bf16 scales (read in place), w2 with fp16 scales (pairs): the call
+    # takes pairs for both, against the decoded reference.
+    kernel = tk.native_kernels()
+    c = biased_experts(seed=4, t=5, d=128, i=64, e=6, k=2, pool=9)
+    q13, deq13 = int4_bank(c["w13"], 32, True, torch.bfloat16)
+    q2, deq2 = int4_bank(c["w2"], 32, True, torch.float16)
+    b13 = tk.NativeInt4Bank(q13["q"], q13["s"], None, 32, kernel, amx=False)
+    b2 = tk.NativeInt4Bank(q2["q"], q2["s"], None, 32, kernel, amx=False)
+    assert b13.gs.dtype == torch.bfloat16 and b2.gs.dtype == torch.float32
+    got = tk.fused_moe(c["x"].float(), b13, b2, c["weights"], c["ids"], c["slot_map"])
+    want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
+                               c["slot_map"])
+    assert rel(got, want) < 1e-5
+
+
 def test_native_int4_bank_refuses_bad_groups_and_mixed_banks():
     c = biased_experts(seed=1, t=2, d=64, i=32)
     kernel = tk.native_kernels()

@@ -150,6 +150,36 @@ def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx, symmetric)
         tk.Int4Linear(fmt, w, prefill=QuantRows(w["q"][:8], rows.s[:8], (1, 32)), amx=True)
 
 
+@pytest.mark.skipif(tk.native_kernels() is None, reason="no native kernels: no int4 rows")
+def test_fused_projections_take_int4_rows_in_both_scale_forms():
+    # Projections of one input whose int4 rows come in both scale forms (a symmetric one's
+    # own bf16 scales, one with zero points' pairs: two compressed-tensors config groups),
+    # fused into one product (N 40: not the int4 GEMM's multiple of 16, so the 16-bit
+    # copy's with the rows beside it): the rows become pairs for both, and a decode row
+    # reads the decoded weights' product.
+    from freetoken.models.layers.linear import _fused_rows, pack_fused
+    from freetoken.models.quant.quantize import quantize_weight
+    torch.manual_seed(0)
+    projs, weights = [], []
+    for sym in (True, False):
+        fmt = QuantFormat("int4", group=32, symmetric=sym)
+        p = QuantLinear(128, 40, fmt, False, torch.bfloat16, scale_dtype=torch.bfloat16)
+        w = quantize_weight(fmt, torch.randn(40, 128), scale_dtype=torch.bfloat16)
+        for name in p.names:
+            getattr(p, name).data = w[name]
+        projs.append(p)
+        weights.append(dequantize_reference(fmt, w, torch.float32))
+    assert [p.cpu_rows().s.dim() for p in projs] == [2, 3]
+    rows = _fused_rows(projs)
+    assert rows.s.shape == (80, 4, 2) and rows.s.dtype == torch.float32
+    fused = pack_fused(projs)
+    x = torch.randn(1, 128).bfloat16()
+    w = torch.cat(weights).double()
+    want = x.double() @ w.T
+    bound = want.abs() * 2.0 ** -8 + (x.double().abs() @ w.abs().T) * 2.0 ** -20
+    assert ((fused(x).double() - want).abs() <= bound).all()
+
+
 @pytest.fixture(scope="module")
 def int4_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("int4") / "m"

@@ -149,8 +149,14 @@ class NativeKernels:
             else:
                 want13 = (slots, 2 * width, d // max(bk, 1))
                 want2 = (slots, d, width // max(bk, 1))
-                wfmt = _int4_format(s13, want13)
-                ok = (wfmt is not None and wfmt == _int4_format(s2, want2) and bn == 1
+                wfmt, f2 = _int4_format(s13, want13), _int4_format(s2, want2)
+                if None not in (wfmt, f2) and wfmt != f2:
+                    # one bank's bf16 scales, the other's pairs: pairs for both (held by
+                    # the call), (s, -8 s) for the symmetric one
+                    s13, s2 = (int4_group_pairs(s, None) if s.dtype == torch.bfloat16 else s
+                               for s in (s13, s2))
+                    wfmt = f2 = _WEIGHT_FORMATS[torch.uint8]
+                ok = (wfmt is not None and wfmt == f2 and bn == 1
                       and bk >= 32 and bk & (bk - 1) == 0 and d % bk == 0 and width % bk == 0)
             if not ok:
                 kind = "float32 block" if fp8 else "group"
@@ -175,8 +181,10 @@ class NativeKernels:
         """bf16 scratch of numel elements for decoded weights, this thread's, kept and
         reused: a prefill chunk's decoded experts (~100 MB a layer) in fresh memory cost
         their page faults and zeroing, 7x the decode (64 experts of [512, 1024] on 2 cores:
-        18 ms against 2.9). It holds the largest decode asked of it (fused_moe caps it at
-        INT4_DECODE_BYTES); each call's contents are gone at the next one."""
+        18 ms against 2.9). It holds the largest decode asked of it for the thread's life
+        (fused_moe caps it at INT4_DECODE_BYTES; the RAM a decode took for a moment
+        before, not counted in the host RAM plans); each call's contents are gone at the
+        next one."""
         buf = getattr(self._scratch, "buf", None)
         if buf is None or buf.numel() < numel:
             buf = self._scratch.buf = None          # the old one freed before the new one
