@@ -34,8 +34,8 @@ from triton_kernels.dequant_cpu import fused_moe_quant_cpu, quant_linear_cpu
 from triton_kernels.cpu_matmul import Fp16Bank, Fp16Weight, linear, packable, packs_fp16
 from triton_kernels.cpu_split import CpuSplit
 from triton_kernels.cpu_native import (NativeBank, NativeFp8Bank, NativeInt4Bank, NativeKernels,
-                                       bound_moe, has_amx_bf16, int4_group_pairs, int4_scales,
-                                       native_kernels)
+                                       bound_moe, has_amx_bf16, int4_alike, int4_group_pairs,
+                                       int4_scales, native_kernels)
 from triton_kernels.cpu_linear import CpuLinear, QuantRows, cpu_linear
 from triton_kernels.cpu_attention import CpuDecodeAttention
 from triton_kernels.cpu_program import CpuProgram
@@ -44,8 +44,8 @@ from triton_kernels.int4_cpu import Int4Linear, Int4Packed, fused_moe_int4_cpu, 
 __all__ = [
     "linear", "Fp16Weight", "Fp16Bank", "packable", "packs_fp16", "CpuSplit",
     "NativeBank", "NativeFp8Bank", "NativeInt4Bank", "NativeKernels", "native_kernels",
-    "bound_moe", "has_amx_bf16", "int4_group_pairs", "int4_scales", "CpuLinear", "QuantRows",
-    "cpu_linear",
+    "bound_moe", "has_amx_bf16", "int4_alike", "int4_group_pairs", "int4_scales", "CpuLinear",
+    "QuantRows", "cpu_linear",
     "CpuDecodeAttention", "CpuProgram",
     "kernel_backend", "check_backend", "get_backend", "fixed_configs_scope",
     "rms_norm", "rms_norm_reference",

@@ -149,13 +149,9 @@ class NativeKernels:
             else:
                 want13 = (slots, 2 * width, d // max(bk, 1))
                 want2 = (slots, d, width // max(bk, 1))
+                if isinstance(s13, torch.Tensor) and isinstance(s2, torch.Tensor):
+                    s13, s2 = int4_alike([s13, s2])     # (the call holds a made pair)
                 wfmt, f2 = _int4_format(s13, want13), _int4_format(s2, want2)
-                if None not in (wfmt, f2) and wfmt != f2:
-                    # one bank's bf16 scales, the other's pairs: pairs for both (held by
-                    # the call), (s, -8 s) for the symmetric one
-                    s13, s2 = (int4_group_pairs(s, None) if s.dtype == torch.bfloat16 else s
-                               for s in (s13, s2))
-                    wfmt = f2 = _WEIGHT_FORMATS[torch.uint8]
                 ok = (wfmt is not None and wfmt == f2 and bn == 1
                       and bk >= 32 and bk & (bk - 1) == 0 and d % bk == 0 and width % bk == 0)
             if not ok:
@@ -724,6 +720,15 @@ def int4_scales(s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
     if z is None and s.dtype == torch.bfloat16:
         return s.detach().contiguous()
     return int4_group_pairs(s, z)
+
+
+def int4_alike(scales: list[torch.Tensor]) -> list[torch.Tensor]:
+    """int4_scales of weights meant to be read as one (a fused projection's, a layer's two
+    banks) in one form: as they are where they share it, else pairs for all ((s, -8 s) for
+    the symmetric ones' bf16 scales), as a weight with zero points beside them needs."""
+    if len({(s.dtype, s.dim()) for s in scales}) <= 1:
+        return list(scales)
+    return [int4_group_pairs(s, None) if s.dtype == torch.bfloat16 else s for s in scales]
 
 
 def int4_group_pairs(s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:

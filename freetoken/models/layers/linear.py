@@ -113,12 +113,8 @@ def _fused_rows(projs) -> tk.QuantRows | None:
     bn = parts[0].block[0]
     if any(f.q.shape[0] % bn for f in parts[:-1]):
         return None
-    scales = [f.s for f in parts]
-    if len({(s.dtype, s.dim()) for s in scales}) > 1:
-        # int4 in both scale forms (a symmetric weight's bf16 scales beside another's pairs,
-        # e.g. two config groups): pairs for all, (s, -8 s) for the symmetric ones
-        scales = [tk.int4_group_pairs(s, None) if s.dtype == torch.bfloat16 else s
-                  for s in scales]
+    # (int4 members in both scale forms, e.g. two config groups: pairs for all)
+    scales = tk.int4_alike([f.s for f in parts])
     return tk.QuantRows(torch.cat([f.q for f in parts]), torch.cat(scales), parts[0].block,
                         own=True)
 
