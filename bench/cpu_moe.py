@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One MoE layer on the CPU: bf16 experts (and the forms of experts only the CPU computes: the
-native kernel's, cpu_native.NativeBank, and the fp16-weight GEMM's, cpu_matmul.Fp16Bank, alone
-and with the CPU engine's CpuSplit) against each quantized format's CPU decode
+native kernel's, cpu_native.NativeBank (on an AMX CPU its prefill chunks on cpu_amx.c, and
+"bf16 onednn", the torch path it replaced: oneDNN's products an expert at a time), and the
+fp16-weight GEMM's, cpu_matmul.Fp16Bank, alone and with the CPU engine's CpuSplit) against each quantized format's CPU decode
 (triton_kernels/dequant_cpu.py), the packed forms of experts only the CPU computes (INT4's for
 the int4 GEMM, int4_cpu.py, and its nibbles on the native kernel, NativeInt4Bank; FP8 blocks'
 bytes on the native kernel, NativeFp8Bank, "bytes"; the others decoded once to 16 bits,
@@ -83,6 +84,10 @@ def main(argv=None) -> int:
     if native is not None:          # CPU-only experts' form where the kernel builds
         n13, n2 = tk.NativeBank(w13, native), tk.NativeBank(w2, native)
         arms["bf16 native"] = lambda x, w, ids: fused_moe_reference(x, n13, n2, w, ids)
+        if tk.has_amx_bf16():       # its prefill chunks' fallback: oneDNN an expert at a time
+            from triton_kernels.fused_moe import SILU, _moe_grouped_torch
+            arms["bf16 onednn"] = lambda x, w, ids: _moe_grouped_torch(
+                x, w13, w2, w, ids.long(), None, None, None, SILU)
     if tk.packable(w13) and tk.packable(w2):         # CPU-only experts' form (FBGEMM fp16)
         f13, f2 = tk.Fp16Bank(w13), tk.Fp16Bank(w2)
         arms["bf16 packed"] = lambda x, w, ids: fused_moe_reference(x, f13, f2, w, ids)

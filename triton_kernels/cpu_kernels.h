@@ -27,6 +27,13 @@ void ft_topk_softmax(const void *logits, int fmt, int64_t t_count, int64_t e_cou
                      int64_t k, int renorm, float *weights, int64_t *ids, int wfmt);
 void ft_int4_decode(const uint8_t *q, const void *gs, int fmt, const int64_t *idx,
                     int64_t n_idx, int64_t n, int64_t k, int64_t g, uint16_t *out, int threads);
+int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int64_t d,
+                           int64_t width);
+int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
+               const float *wts, int64_t t_count, int64_t k_count, const uint16_t *w13,
+               const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t slots,
+               int64_t d, int64_t width, int kind, float alpha, float limit, int threads,
+               void *scratch, uint16_t *out);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
 
 #endif

@@ -48,8 +48,8 @@ log = logging.getLogger("freetoken.kernels")
 
 _HERE = Path(__file__).parent
 # compiled together into one library
-_SOURCES = ("cpu_moe.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c",
-            "cpu_program.c")
+_SOURCES = ("cpu_moe.c", "cpu_amx.c", "cpu_linear.c", "cpu_attention.c", "cpu_norm.c",
+            "cpu_route.c", "cpu_program.c")
 _HEADERS = ("cpu_dot.h", "cpu_kernels.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
@@ -67,13 +67,22 @@ class NativeKernels:
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
-        self._scratch = threading.local()     # decode_buffer's, one a thread
+        self._kept = threading.local()        # kept_buffer's, one set a thread
         p, i64, c_int, c_float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         fn = lib.ft_moe
         fn.argtypes = [p, c_int, p, p, i64, p, i64, i64, p, p, p, p, i64, i64, p, p, i64, i64,
                        i64, c_int, c_int, c_float, c_float, c_int, p, p, p, c_int]
         fn.restype = c_int
         self._moe = fn
+        fn = lib.ft_moe_amx             # cpu_amx.c: a prefill chunk's experts on AMX tiles
+        fn.argtypes = [p, p, p, i64, p, i64, i64, p, p, p, p, i64, i64, i64, c_int, c_float,
+                       c_float, c_int, p, p]
+        fn.restype = c_int
+        self.moe_amx_fn = fn
+        fn = lib.ft_moe_amx_scratch
+        fn.argtypes = [i64] * 5
+        fn.restype = i64
+        self.moe_amx_scratch = fn
         fn = lib.ft_int4_decode
         fn.argtypes = [p, p, c_int, p, i64, i64, i64, i64, p, c_int]
         fn.restype = None
@@ -181,10 +190,16 @@ class NativeKernels:
         (fused_moe caps it at INT4_DECODE_BYTES; the RAM a decode took for a moment
         before, not counted in the host RAM plans); each call's contents are gone at the
         next one."""
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.numel() < numel:
-            buf = self._scratch.buf = None          # the old one freed before the new one
-            buf = self._scratch.buf = torch.empty(numel, dtype=torch.bfloat16)
+        return self.kept_buffer("decode", numel, torch.bfloat16)
+
+    def kept_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's scratch `name` of numel elements, kept and grown, never shrunk:
+        its contents are gone at the next call for the same name."""
+        buf = getattr(self._kept, name, None)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            setattr(self._kept, name, None)         # the old one freed before the new one
+            buf = torch.empty(numel, dtype=dtype)
+            setattr(self._kept, name, buf)
         return buf[:numel]
 
     def int4_decode(self, q: torch.Tensor, gs: torch.Tensor, group: int,

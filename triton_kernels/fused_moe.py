@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, use_triton
+from triton_kernels.cpu_amx import moe_amx
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
 from triton_kernels.cpu_linear import GEMM_ROWS
 from triton_kernels.cpu_native import NativeBank, NativeFp8Bank, NativeInt4Bank, moe_native
@@ -129,13 +130,19 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def _amx_prefill(x, w13: NativeBank, w2, topk_weights, topk_ids, slot_map, b13, b2,
                  activation) -> torch.Tensor | None:
     """A prefill chunk on an AMX CPU (GEMM_ROWS (token, expert) pairs an expert and more, x
-    in the bank's bf16): torch's bf16 products (oneDNN's AMX kernels) an expert at a time, as
-    one grouped call per projection (the loop's ~10 ops an expert cost a 512-token chunk
-    ~5 ms a layer) where it gives the loop's bits, else HF's loop; the banks' float32 biases
-    in x's dtype as HF keeps them. None where it does not apply."""
+    in the bank's bf16): the native AMX kernel (cpu_amx.py: the whole layer in one call,
+    HF's roundings), or where it does not take the shapes, torch's bf16 products (oneDNN's
+    AMX kernels) an expert at a time, as one grouped call per projection (the loop's ~10 ops
+    an expert cost a 512-token chunk ~5 ms a layer) where it gives the loop's bits, else
+    HF's loop; the banks' float32 biases in x's dtype as HF keeps them. None where it does
+    not apply."""
     if not (w13.gemm and isinstance(w2, NativeBank) and x.dtype == w13.dtype == w2.dtype
             and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
         return None
+    out = moe_amx(w13.kernel, x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, b13,
+                  b2, activation)
+    if out is not None:
+        return out
     biases = [None if b is None else b.to(x.dtype) for b in (b13, b2)]
     run = _moe_grouped_torch if _grouped_exact(x, w2.weight, activation) else _moe_loop_torch
     return run(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, *biases, activation)
@@ -169,6 +176,11 @@ def _int4_amx_prefill(x, w13: NativeInt4Bank, w2, topk_weights, topk_ids, slot_m
     up = w13.kernel.int4_decode(w13.q, w13.gs, w13.group, used, out=buf[:n13])
     down = w2.kernel.int4_decode(w2.q, w2.gs, w2.group, used, out=buf[n13:])
     biases = [None if b is None else b[used].to(x.dtype) for b in (b13, b2)]
+    # each expert id to its decoded place (the kernel adds a token's experts in id order)
+    places = remap if slot_map is None else remap[slot_map.long()]
+    out = moe_amx(w13.kernel, x, up, down, topk_weights, topk_ids, places, *biases, activation)
+    if out is not None:
+        return out
     run = _moe_grouped_torch if _grouped_exact(x, down, activation) else _moe_loop_torch
     return run(x, up, down, topk_weights, remap[slots], None, *biases, activation)
 

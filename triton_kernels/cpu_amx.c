@@ -1,0 +1,416 @@
+/* A prefill chunk's routed experts on AMX's bf16 tiles, in one call: every used expert's
+ * gate/up product, its activation, its down product and the weighted sum, with the roundings
+ * of HF's loop in bf16 (each product's output, the bias add, the activation, the weighting
+ * and each add of a token's experts, in expert id order, round to bf16).
+ *
+ * Why: torch's path for these chunks (fused_moe._moe_grouped_torch) runs one oneDNN product
+ * per expert and projection, each repacking its weights and opening a parallel region (a
+ * 512-token prefill of 12 layers of 64 experts: ~1500 of them), and a dozen elementwise ops
+ * over [P, D] between them. Here: four parallel regions' worth of phases in one, the weights
+ * read as they lie.
+ *
+ * The products are computed transposed, C^T = W X^T: an A tile is 16 weight rows x 32
+ * columns as the bank holds them ([N, K] row-major, a 64-byte line a row: nothing repacked,
+ * the decode kernel reads the same bytes), a B tile 16 column pairs x 16 tokens of x in
+ * AMX's pair layout, which phase 1 packs once per expert (a chunk's x is P x D; its experts'
+ * weights S x 3 x I x D). C tiles come out as rows by tokens: the activation runs on them as
+ * they are, and the down product's are transposed (16 x 16 in registers) into token rows.
+ *
+ * Shapes (P = T * k (token, expert) pairs, S slots, D hidden, I expert width, both multiples
+ * of 32): x [T, D] bf16; ids [T, k] i64 expert ids (slot_map [n_map] i64 maps them to slots,
+ * or NULL); wts [T, k] f32; w13 [S, 2I, D] bf16, rows [0, I) the gate and [I, 2I) the up;
+ * w2 [S, D, I] bf16; b13 [S, 2I] and b2 [S, D] bf16 or NULL; kind 0 silu(gate) * up,
+ * 1 gpt-oss's clamped (up + 1) * gate * sigmoid(alpha gate); scratch of
+ * ft_moe_amx_scratch(T, k, S, D, I) bytes; out [T, D] bf16.
+ * Returns 0; -1 no AMX here (built without it, or the kernel denied the tile state), -2 an
+ * id or slot out of range, -3 shapes it does not take, -4 out of memory.
+ * Each output's bits are the same whatever the thread count: every dot product is one
+ * chain of tile products over K in order, every other step elementwise.
+ */
+#include "cpu_dot.h"
+
+int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int64_t d,
+                           int64_t width) {
+    const int64_t pairs = t_count * k_count;
+    const int64_t rows = pairs + 15 * (slots < pairs ? slots : pairs);   /* padded to 16s */
+    return (rows * (d + width) + pairs * d) * 2 + 3 * 64;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define KC_BLOCKS 8              /* column blocks of a K chunk (256 columns) */
+#define TILE 512                    /* bf16 elements of a B tile: 16 pairs x 16 tokens x 2 */
+
+/* Linux hands a process AMX's 8 KB of tile state only on request (once; any thread). */
+static int amx_permitted(void) {
+    static int state;               /* 0 unasked, 1 granted, -1 denied */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (!s) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+/* Every tile 16 rows of 64 bytes: A (weights: 16 rows x 32 bf16), B (16 pairs x 16 tokens x
+ * 2 bf16), C (16 rows x 16 tokens f32). Tiles 0-3 C, 4-5 A, 6-7 B. */
+struct tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void load_tiles(void) {
+    struct tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++)
+        cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+static inline __m512 widen_bf16(__m256i h) {          /* 16 bf16 -> f32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* f32 -> bf16 nearest even, as a f32 (AVX512-BF16's conversion: as AMX's products, it
+ * takes a subnormal for zero; a nan stays a quiet nan). */
+static inline __m512 round_bf16(__m512 v) {
+    return widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+static inline __m256i narrow_bf16(__m512 v) {         /* 16 f32 already at bf16 -> bf16 */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+}
+
+static inline float bf16_at(const uint16_t *p, int64_t i) {
+    uint32_t u = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* exp, ~2 ulp (Cephes' expf polynomial on x - n ln2, then x 2^n); exp(-inf) 0, exp(inf) inf. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The activation of 16 tokens' gate and up (bf16 values in f32), rounded as _activate. */
+static inline __m512 activate16(__m512 g, __m512 u, int kind, float alpha, float limit) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    if (kind == 0) {                     /* silu(gate), rounded, times up, rounded */
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        return round_bf16(_mm512_mul_ps(round_bf16(s), u));
+    }
+    g = _mm512_min_ps(g, _mm512_set1_ps(limit));
+    u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
+    const __m512 ag = _mm512_mul_ps(_mm512_set1_ps(alpha), g);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), ag))));
+    return round_bf16(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(u, one), g), sig));
+}
+
+/* 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* Per used expert: its slot, its first sorted pair, its rows and where its packed x and
+ * activations start (in elements; 16-row blocks). */
+struct expert {
+    int64_t slot, first, n, xp, ap;
+};
+
+/* c[t][0] = rows a0 x token block t, c[t][1] = rows a1 x the same, for the tb_count token
+ * blocks of b (kb_count B tiles each, back to back): each one chain of tile products over the
+ * kb_count column blocks, in order. a0, a1: 16 weight rows, lda bytes apart.
+ * K in chunks of KC_BLOCKS: a chunk's 32 rows (16 KB) stay in L1 for every token block, the
+ * partial sums parked in c (exactly: float32 out and back). */
+static inline void products(const uint16_t *a0, const uint16_t *a1, int64_t lda,
+                            const uint16_t *b, int64_t kb_count, int64_t tb_count,
+                            float (*c)[2][16][16]) {
+    for (int64_t k0 = 0; k0 < kb_count; k0 += KC_BLOCKS) {
+        const int64_t k1 = k0 + KC_BLOCKS < kb_count ? k0 + KC_BLOCKS : kb_count;
+        for (int64_t tb = 0; tb < tb_count; tb += 2) {
+            const int two = tb + 1 < tb_count;
+            const uint16_t *b0 = b + tb * kb_count * TILE, *b1 = b0 + kb_count * TILE;
+            if (k0 == 0) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            } else {
+                _tile_loadd(0, c[tb][0], 64);
+                _tile_loadd(2, c[tb][1], 64);
+                if (two) {
+                    _tile_loadd(1, c[tb + 1][0], 64);
+                    _tile_loadd(3, c[tb + 1][1], 64);
+                }
+            }
+            for (int64_t kb = k0; kb < k1; kb++) {
+                _tile_loadd(4, a0 + kb * 32, lda);
+                _tile_loadd(5, a1 + kb * 32, lda);
+                _tile_loadd(6, b0 + kb * TILE, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + kb * TILE, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c[tb][0], 64);
+            _tile_stored(2, c[tb][1], 64);
+            if (two) {
+                _tile_stored(1, c[tb + 1][0], 64);
+                _tile_stored(3, c[tb + 1][1], 64);
+            }
+        }
+    }
+}
+
+/* Phase 1: one 16-token block of an expert's x into B tiles (pairs x tokens), all K. */
+static void pack_x(const uint16_t *x, int64_t d, const int64_t *order, int64_t k_count,
+                   const struct expert *e, int64_t tb, uint16_t *xp) {
+    const int64_t kb_count = d / 32;
+    const uint16_t *row[16];
+    for (int i = 0; i < 16; i++) {
+        int64_t r = tb * 16 + i;
+        row[i] = r < e->n ? x + order[e->first + r] / k_count * d : NULL;
+    }
+    uint16_t *dst = xp + e->xp + tb * kb_count * TILE;
+    for (int64_t kb = 0; kb < kb_count; kb++, dst += TILE) {
+        __m512 v[16];
+        for (int i = 0; i < 16; i++)        /* token i's 16 column pairs */
+            v[i] = row[i] ? _mm512_loadu_ps(row[i] + kb * 32) : _mm512_setzero_ps();
+        transpose16(v);                     /* -> pair j's 16 tokens */
+        for (int j = 0; j < 16; j++)
+            _mm512_storeu_ps(dst + j * 32, v[j]);
+    }
+}
+
+/* Phase 2: gate rows [r0, r0 + 16) and their up rows of an expert, all its tokens, through
+ * the activation into the down product's B tiles. */
+static void gate_up(const uint16_t *w13, const uint16_t *b13, int64_t d, int64_t width,
+                    const struct expert *e, int64_t r0, int kind, float alpha, float limit,
+                    const uint16_t *xp, uint16_t *ap, float (*c)[2][16][16]) {
+    const int64_t kb_count = d / 32, tb_count = (e->n + 15) / 16, ka_count = width / 32;
+    const uint16_t *wg = w13 + (e->slot * 2 * width + r0) * d, *wu = wg + width * d;
+    products(wg, wu, d * 2, xp + e->xp, kb_count, tb_count, c);
+    for (int64_t tb = 0; tb < tb_count; tb++) {
+        {
+            /* rows r0 + 2j and + 1 of the activation: one row of 16 pair-words of a B tile */
+            uint16_t *dst = ap + e->ap + (tb * ka_count + r0 / 32) * TILE + (r0 % 32) / 2 * 32;
+            for (int j = 0; j < 8; j++) {
+                __m512 a[2];
+                for (int s = 0; s < 2; s++) {
+                    const int n = 2 * j + s;
+                    __m512 g = round_bf16(_mm512_load_ps(c[tb][0][n]));
+                    __m512 u = round_bf16(_mm512_load_ps(c[tb][1][n]));
+                    if (b13) {
+                        g = round_bf16(_mm512_add_ps(g, _mm512_set1_ps(
+                            bf16_at(b13, e->slot * 2 * width + r0 + n))));
+                        u = round_bf16(_mm512_add_ps(u, _mm512_set1_ps(
+                            bf16_at(b13, e->slot * 2 * width + width + r0 + n))));
+                    }
+                    a[s] = activate16(g, u, kind, alpha, limit);
+                }
+                const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(a[0]), 16);
+                const __m512i hi = _mm512_castps_si512(a[1]);     /* low halves are zero */
+                _mm512_storeu_si512(dst + j * 32, _mm512_or_si512(lo, hi));
+            }
+        }
+    }
+}
+
+/* Phase 3: down rows [r0, r0 + 32) of an expert, all its tokens, weighted, rounded, into
+ * the token rows of h (sorted pair order). */
+static void down(const uint16_t *w2, const uint16_t *b2, int64_t d, int64_t width,
+                 const struct expert *e, int64_t r0, const int64_t *order, const float *wts,
+                 const uint16_t *ap, uint16_t *h, float (*c)[2][16][16]) {
+    const int64_t ka_count = width / 32, tb_count = (e->n + 15) / 16;
+    const uint16_t *w0 = w2 + (e->slot * d + r0) * width, *w1 = w0 + 16 * width;
+    products(w0, w1, width * 2, ap + e->ap, ka_count, tb_count, c);
+    for (int64_t tb = 0; tb < tb_count; tb++) {
+        {
+            const int64_t r = tb * 16, n_t = e->n - r < 16 ? e->n - r : 16;
+            /* the 16 tokens' routing weights in bf16 (0 past the expert's rows) */
+            float wv[16] __attribute__((aligned(64)));
+            for (int t = 0; t < 16; t++)
+                wv[t] = t < n_t ? wts[order[e->first + r + t]] : 0.f;
+            const __m512 wb = round_bf16(_mm512_load_ps(wv));
+            for (int half = 0; half < 2; half++) {          /* rows r0 + 16 half + n */
+                __m512 v[16];
+                for (int n = 0; n < 16; n++) {
+                    __m512 y = round_bf16(_mm512_load_ps(c[tb][half][n]));
+                    if (b2)
+                        y = round_bf16(_mm512_add_ps(y, _mm512_set1_ps(
+                            bf16_at(b2, e->slot * d + r0 + 16 * half + n))));
+                    v[n] = round_bf16(_mm512_mul_ps(y, wb));
+                }
+                transpose16(v);                 /* -> token t's 16 rows */
+                for (int t = 0; t < n_t; t++)
+                    _mm256_storeu_si256((__m256i *)(h + (e->first + r + t) * d + r0 + 16 * half),
+                                        narrow_bf16(v[t]));
+            }
+        }
+    }
+}
+
+int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
+               const float *wts, int64_t t_count, int64_t k_count, const uint16_t *w13,
+               const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t slots,
+               int64_t d, int64_t width, int kind, float alpha, float limit, int threads,
+               void *scratch, uint16_t *out) {
+    if (d % 32 || width % 32 || d <= 0 || width <= 0 || k_count > 64)
+        return -3;
+    if (!amx_permitted())
+        return -1;
+    const int64_t pairs = t_count * k_count;
+    /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order); pos:
+     * each pair's place in that order. */
+    int64_t *start = calloc(slots + 1, sizeof *start);
+    int64_t *order = malloc((pairs ? pairs : 1) * sizeof *order);
+    int64_t *pos = malloc((pairs ? pairs : 1) * sizeof *pos);
+    struct expert *used = malloc((slots ? slots : 1) * sizeof *used);
+    int rc = !start || !order || !pos || !used ? -4 : 0;
+    for (int64_t p = 0; p < pairs && !rc; p++) {
+        if (slot_map && (ids[p] < 0 || ids[p] >= n_map)) {
+            rc = -2;
+            break;
+        }
+        const int64_t s = slot_map ? slot_map[ids[p]] : ids[p];
+        if (s < 0 || s >= slots)
+            rc = -2;
+        else
+            start[s + 1]++;
+    }
+    if (rc) {
+        free(start), free(order), free(pos), free(used);
+        return rc;
+    }
+    int64_t n_used = 0, xrows = 0;
+    for (int64_t s = 0; s < slots; s++) {
+        const int64_t n = start[s + 1];
+        if (n) {
+            used[n_used++] = (struct expert){s, start[s], n, xrows * d, xrows * width};
+            xrows += (n + 15) / 16 * 16;
+        }
+        start[s + 1] += start[s];
+    }
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t s = slot_map ? slot_map[ids[p]] : ids[p];
+        pos[p] = start[s]++;
+        order[pos[p]] = p;
+    }
+    /* scratch: packed x [xrows, D], packed activations [xrows, I], h [P, D] (64-aligned) */
+    uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    uint16_t *xp = (uint16_t *)base;
+    uint16_t *ap = (uint16_t *)(((uintptr_t)(xp + xrows * d) + 63) & ~(uintptr_t)63);
+    uint16_t *h = (uint16_t *)(((uintptr_t)(ap + xrows * width) + 63) & ~(uintptr_t)63);
+    /* Work items: phase 1 (expert, token block); 2 (expert, 16 gate rows); 3 (expert, 32
+     * down rows). */
+    int64_t *blocks = malloc((xrows / 16 + 1) * 2 * sizeof *blocks);
+    if (!blocks) {
+        free(start), free(order), free(pos), free(used);
+        return -4;
+    }
+    int64_t n_blocks = 0;
+    for (int64_t u = 0; u < n_used; u++)
+        for (int64_t tb = 0; tb * 16 < used[u].n; tb++)
+            blocks[2 * n_blocks] = u, blocks[2 * n_blocks++ + 1] = tb;
+    const int64_t g_items = n_used * (width / 16), d_items = n_used * (d / 32);
+    /* each thread's partial sums: the most token blocks an expert has, x 2 tiles */
+    int64_t most = 0;
+    for (int64_t u = 0; u < n_used; u++)
+        most = used[u].n > most ? used[u].n : most;
+    const int64_t c_floats = (most + 15) / 16 * 2 * 256;
+    float *cbuf = aligned_alloc(64, (threads > 0 ? threads : 1) * c_floats * sizeof *cbuf + 64);
+    if (!cbuf) {
+        free(start), free(order), free(pos), free(used), free(blocks);
+        return -4;
+    }
+
+#pragma omp parallel num_threads(threads)
+    {
+        load_tiles();
+        float (*c)[2][16][16] = (float (*)[2][16][16])(cbuf + omp_get_thread_num() * c_floats);
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < n_blocks; i++)
+            pack_x(x, d, order, k_count, &used[blocks[2 * i]], blocks[2 * i + 1], xp);
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < g_items; i++)
+            gate_up(w13, b13, d, width, &used[i / (width / 16)], i % (width / 16) * 16, kind,
+                    alpha, limit, xp, ap, c);
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < d_items; i++)
+            down(w2, b2, d, width, &used[i / (d / 32)], i % (d / 32) * 32, order, wts, ap, h, c);
+        _tile_release();
+        /* Phase 4: each token's experts added in id order, rounding after each add (from
+         * zero, as the loop's index_add_ into zeros). */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < t_count; t++) {
+            int64_t at[64], id[64];
+            for (int64_t j = 0; j < k_count; j++) {     /* insertion sort by id */
+                int64_t i = j;
+                for (; i > 0 && id[i - 1] > ids[t * k_count + j]; i--)
+                    id[i] = id[i - 1], at[i] = at[i - 1];
+                id[i] = ids[t * k_count + j], at[i] = pos[t * k_count + j];
+            }
+            for (int64_t c = 0; c < d; c += 16) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t j = 0; j < k_count; j++)
+                    acc = round_bf16(_mm512_add_ps(acc, widen_bf16(_mm256_loadu_si256(
+                        (const __m256i *)(h + at[j] * d + c)))));
+                _mm256_storeu_si256((__m256i *)(out + t * d + c), narrow_bf16(acc));
+            }
+        }
+    }
+    free(start), free(order), free(pos), free(used), free(blocks), free(cbuf);
+    return 0;
+}
+
+#else   /* no AMX-BF16 in this build: the caller keeps torch's products */
+int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
+               const float *wts, int64_t t_count, int64_t k_count, const uint16_t *w13,
+               const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t slots,
+               int64_t d, int64_t width, int kind, float alpha, float limit, int threads,
+               void *scratch, uint16_t *out) {
+    return -1;
+}
+#endif
