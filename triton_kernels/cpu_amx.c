@@ -18,12 +18,18 @@
  *
  * Shapes (P = T * k (token, expert) pairs, S slots, D hidden, I expert width, both multiples
  * of 32): x [T, D] bf16; ids [T, k] i64 expert ids (slot_map [n_map] i64 maps them to slots,
- * or NULL); wts [T, k] f32; w13 [S, 2I, D] bf16, rows [0, I) the gate and [I, 2I) the up;
- * w2 [S, D, I] bf16; b13 [S, 2I] and b2 [S, D] bf16 or NULL; kind 0 silu(gate) * up,
- * 1 gpt-oss's clamped (up + 1) * gate * sigmoid(alpha gate); scratch of
- * ft_moe_amx_scratch(T, k, S, D, I) bytes; out [T, D] bf16.
+ * or NULL); wts [T, k] f32; w13 [S, 2I, D], rows [0, I) the gate and [I, 2I) the up, and
+ * w2 [S, D, I] in fmt: 0 bf16 (read as they lie); 3 e4m3 bytes with float32 block scales
+ * s13 [S, ceil(2I/bn), ceil(D/bk)] and s2 [S, ceil(D/bn), ceil(I/bk)] (bk a multiple of 32);
+ * 4 and 5 int4 nibbles [.., K/2] with cpu_dot.h's group scales, bk = G (a power of two from
+ * 32 dividing D and I). A quantized bank's 32 rows are decoded a K chunk at a time into a
+ * thread's L1 buffer, once for all the expert's tokens, each weight as its reference decodes
+ * it (the value in float32, rounded once to bf16): the bits of this kernel on the decoded
+ * bf16 bank. b13 [S, 2I] and b2 [S, D] bf16 or NULL; kind 0 silu(gate) * up, 1 gpt-oss's
+ * clamped (up + 1) * gate * sigmoid(alpha gate); scratch of ft_moe_amx_scratch(T, k, S, D, I)
+ * bytes; out [T, D] bf16.
  * Returns 0; -1 no AMX here (built without it, or the kernel denied the tile state), -2 an
- * id or slot out of range, -3 shapes it does not take, -4 out of memory.
+ * id or slot out of range, -3 shapes or formats it does not take, -4 out of memory.
  * Each output's bits are the same whatever the thread count: every dot product is one
  * chain of tile products over K in order, every other step elementwise.
  */
@@ -156,16 +162,93 @@ struct expert {
     int64_t slot, first, n, xp, ap;
 };
 
-/* c[t][0] = rows a0 x token block t, c[t][1] = rows a1 x the same, for the tb_count token
- * blocks of b (kb_count B tiles each, back to back): each one chain of tile products over the
- * kb_count column blocks, in order. a0, a1: 16 weight rows, lda bytes apart.
+/* A bank's weights [S, n, k] as the products read them: bf16 as they lie (fmt 0), or
+ * decoded a K chunk at a time into a thread's buffer (fmt 3: e4m3 bytes with float32 block
+ * scales s [S, ceil(n/bn), ceil(k/bk)]; 4 and 5: int4 nibbles [S, n, k/2] with cpu_dot.h's
+ * group scales, bk = G = 1 << gshift). */
+struct bank {
+    const void *w, *s;
+    int fmt, gshift;
+    int64_t n, k, bn, bk;
+};
+
+/* 16 weights (f32) to bf16 nearest even, as ft_int4_decode and torch's copy round finite ones. */
+static inline __m512i round_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+
+/* Rows [r, r + 16) of expert slot e, columns [c0, c0 + cols) (32s) -> dst, rows ld elements
+ * apart, in bf16 as the bank's reference decodes them: the value in float32, rounded once
+ * (ft_int4_decode's; NativeBank.decoded's copy of dequantize_reference's e4m3 * scale). */
+static void decode_rows(const struct bank *b, int64_t e, int64_t r, int64_t c0, int64_t cols,
+                        uint16_t *dst, int64_t ld) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    /* e4m3: each 32 columns' scale block (no division per row: bk is a runtime value) */
+    int64_t block[KC_BLOCKS], rb = 1, cb = 1;
+    if (b->fmt == FT_E4M3) {
+        rb = (b->n + b->bn - 1) / b->bn, cb = (b->k + b->bk - 1) / b->bk;
+        for (int64_t j = 0; j < cols / 32; j++)
+            block[j] = (c0 + 32 * j) / b->bk;
+    }
+    for (int i = 0; i < 16; i++) {
+        const int64_t row = e * b->n + r + i;
+        uint16_t *out = dst + i * ld;
+        if (b->fmt == FT_E4M3) {
+            const uint8_t *src = (const uint8_t *)b->w + row * b->k;
+            const float *srow = (const float *)b->s + (e * rb + (r + i) / b->bn) * cb;
+            for (int64_t j = c0; j < c0 + cols; j += 32) {
+                vf lo, hi;                  /* elements j..j+15, j+16..j+31, at 1/E4M3_UNIT */
+                load_e4m3(src + j, &lo, &hi);
+                const __m512 s = _mm512_set1_ps(srow[block[(j - c0) / 32]] * E4M3_UNIT);
+                __m512 l, h;
+                memcpy(&l, &lo, sizeof l);
+                memcpy(&h, &hi, sizeof h);
+                _mm512_storeu_si512(out + j - c0, (__m512i)_mm512_cvtne2ps_pbh(
+                    _mm512_mul_ps(h, s), _mm512_mul_ps(l, s)));
+            }
+        } else {
+            const uint8_t *src = (const uint8_t *)b->w + row * (b->k / 2);
+            const void *scales = int4_row_scales(b->s, row, b->k >> b->gshift, b->fmt);
+            for (int64_t j = c0; j < c0 + cols; j += 32) {
+                float s, m;
+                vf lo, hi;                  /* elements j + 2i and j + 2i + 1 */
+                int4_sm(scales, j >> b->gshift, b->fmt, &s, &m);
+                load_int4(src + j / 2, s, m, &lo, &hi);
+                __m512 l, h;
+                memcpy(&l, &lo, sizeof l);
+                memcpy(&h, &hi, sizeof h);
+                _mm512_storeu_si512(out + j - c0, _mm512_or_si512(
+                    _mm512_srli_epi32(round_bits(l), 16), _mm512_and_si512(round_bits(h), high)));
+            }
+        }
+    }
+}
+
+/* c[t][0] = rows [r0, r0 + 16) of expert slot e of the bank x token block t, c[t][1] = rows
+ * [r1, r1 + 16) x the same, for the tb_count token blocks of b (kb_count B tiles each, back
+ * to back): each one chain of tile products over the kb_count column blocks, in order.
  * K in chunks of KC_BLOCKS: a chunk's 32 rows (16 KB) stay in L1 for every token block, the
- * partial sums parked in c (exactly: float32 out and back). */
-static inline void products(const uint16_t *a0, const uint16_t *a1, int64_t lda,
+ * partial sums parked in c (exactly: float32 out and back); a quantized bank's chunk decoded
+ * into abuf (2 x 16 x KC_BLOCKS x 32 bf16) once for all the token blocks. */
+static inline void products(const struct bank *wb, int64_t e, int64_t r0, int64_t r1,
                             const uint16_t *b, int64_t kb_count, int64_t tb_count,
-                            float (*c)[2][16][16]) {
+                            float (*c)[2][16][16], uint16_t *abuf) {
     for (int64_t k0 = 0; k0 < kb_count; k0 += KC_BLOCKS) {
         const int64_t k1 = k0 + KC_BLOCKS < kb_count ? k0 + KC_BLOCKS : kb_count;
+        const uint16_t *a0, *a1;
+        int64_t lda;
+        if (wb->fmt == 0) {
+            a0 = (const uint16_t *)wb->w + (e * wb->n + r0) * wb->k + k0 * 32;
+            a1 = (const uint16_t *)wb->w + (e * wb->n + r1) * wb->k + k0 * 32;
+            lda = wb->k * 2;
+        } else {
+            decode_rows(wb, e, r0, k0 * 32, (k1 - k0) * 32, abuf, KC_BLOCKS * 32);
+            decode_rows(wb, e, r1, k0 * 32, (k1 - k0) * 32, abuf + 16 * KC_BLOCKS * 32,
+                        KC_BLOCKS * 32);
+            a0 = abuf, a1 = abuf + 16 * KC_BLOCKS * 32, lda = KC_BLOCKS * 32 * 2;
+        }
         for (int64_t tb = 0; tb < tb_count; tb += 2) {
             const int two = tb + 1 < tb_count;
             const uint16_t *b0 = b + tb * kb_count * TILE, *b1 = b0 + kb_count * TILE;
@@ -183,8 +266,8 @@ static inline void products(const uint16_t *a0, const uint16_t *a1, int64_t lda,
                 }
             }
             for (int64_t kb = k0; kb < k1; kb++) {
-                _tile_loadd(4, a0 + kb * 32, lda);
-                _tile_loadd(5, a1 + kb * 32, lda);
+                _tile_loadd(4, a0 + (kb - k0) * 32, lda);
+                _tile_loadd(5, a1 + (kb - k0) * 32, lda);
                 _tile_loadd(6, b0 + kb * TILE, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 _tile_dpbf16ps(2, 5, 6);
@@ -226,12 +309,11 @@ static void pack_x(const uint16_t *x, int64_t d, const int64_t *order, int64_t k
 
 /* Phase 2: gate rows [r0, r0 + 16) and their up rows of an expert, all its tokens, through
  * the activation into the down product's B tiles. */
-static void gate_up(const uint16_t *w13, const uint16_t *b13, int64_t d, int64_t width,
+static void gate_up(const struct bank *w13, const uint16_t *b13, int64_t d, int64_t width,
                     const struct expert *e, int64_t r0, int kind, float alpha, float limit,
-                    const uint16_t *xp, uint16_t *ap, float (*c)[2][16][16]) {
+                    const uint16_t *xp, uint16_t *ap, float (*c)[2][16][16], uint16_t *abuf) {
     const int64_t kb_count = d / 32, tb_count = (e->n + 15) / 16, ka_count = width / 32;
-    const uint16_t *wg = w13 + (e->slot * 2 * width + r0) * d, *wu = wg + width * d;
-    products(wg, wu, d * 2, xp + e->xp, kb_count, tb_count, c);
+    products(w13, e->slot, r0, width + r0, xp + e->xp, kb_count, tb_count, c, abuf);
     for (int64_t tb = 0; tb < tb_count; tb++) {
         {
             /* rows r0 + 2j and + 1 of the activation: one row of 16 pair-words of a B tile */
@@ -260,12 +342,11 @@ static void gate_up(const uint16_t *w13, const uint16_t *b13, int64_t d, int64_t
 
 /* Phase 3: down rows [r0, r0 + 32) of an expert, all its tokens, weighted, rounded, into
  * the token rows of h (sorted pair order). */
-static void down(const uint16_t *w2, const uint16_t *b2, int64_t d, int64_t width,
+static void down(const struct bank *w2, const uint16_t *b2, int64_t d, int64_t width,
                  const struct expert *e, int64_t r0, const int64_t *order, const float *wts,
-                 const uint16_t *ap, uint16_t *h, float (*c)[2][16][16]) {
+                 const uint16_t *ap, uint16_t *h, float (*c)[2][16][16], uint16_t *abuf) {
     const int64_t ka_count = width / 32, tb_count = (e->n + 15) / 16;
-    const uint16_t *w0 = w2 + (e->slot * d + r0) * width, *w1 = w0 + 16 * width;
-    products(w0, w1, width * 2, ap + e->ap, ka_count, tb_count, c);
+    products(w2, e->slot, r0, r0 + 16, ap + e->ap, ka_count, tb_count, c, abuf);
     for (int64_t tb = 0; tb < tb_count; tb++) {
         {
             const int64_t r = tb * 16, n_t = e->n - r < 16 ? e->n - r : 16;
@@ -293,12 +374,18 @@ static void down(const uint16_t *w2, const uint16_t *b2, int64_t d, int64_t widt
 }
 
 int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
-               const float *wts, int64_t t_count, int64_t k_count, const uint16_t *w13,
-               const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t slots,
-               int64_t d, int64_t width, int kind, float alpha, float limit, int threads,
-               void *scratch, uint16_t *out) {
-    if (d % 32 || width % 32 || d <= 0 || width <= 0 || k_count > 64)
+               const float *wts, int64_t t_count, int64_t k_count, const void *w13,
+               const void *w2, const void *s13, const void *s2, int fmt, int64_t bn, int64_t bk,
+               const uint16_t *b13, const uint16_t *b2, int64_t slots, int64_t d,
+               int64_t width, int kind, float alpha, float limit, int threads, void *scratch,
+               uint16_t *out) {
+    if (d % 32 || width % 32 || d <= 0 || width <= 0 || k_count > 64 || !(fmt == 0
+            || (fmt == FT_E4M3 && bn > 0 && bk > 0 && bk % 32 == 0)
+            || (is_int4(fmt) && bk >= 32 && !(bk & (bk - 1)) && !(d % bk) && !(width % bk))))
         return -3;
+    const int gshift = is_int4(fmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
+    const struct bank w13b = {w13, s13, fmt, gshift, 2 * width, d, bn, bk};
+    const struct bank w2b = {w2, s2, fmt, gshift, d, width, bn, bk};
     if (!amx_permitted())
         return -1;
     const int64_t pairs = t_count * k_count;
@@ -359,8 +446,9 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     int64_t most = 0;
     for (int64_t u = 0; u < n_used; u++)
         most = used[u].n > most ? used[u].n : most;
-    const int64_t c_floats = (most + 15) / 16 * 2 * 256;
-    float *cbuf = aligned_alloc(64, (threads > 0 ? threads : 1) * c_floats * sizeof *cbuf + 64);
+    /* and the decoded chunk of a quantized bank's 32 rows (abuf, 16 KB) */
+    const int64_t c_floats = (most + 15) / 16 * 2 * 256 + 16 * KC_BLOCKS * 32;
+    float *cbuf = aligned_alloc(64, (threads > 0 ? threads : 1) * c_floats * sizeof *cbuf);
     if (!cbuf) {
         free(start), free(order), free(pos), free(used), free(blocks);
         return -4;
@@ -369,17 +457,19 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
 #pragma omp parallel num_threads(threads)
     {
         load_tiles();
-        float (*c)[2][16][16] = (float (*)[2][16][16])(cbuf + omp_get_thread_num() * c_floats);
+        float *mine = cbuf + omp_get_thread_num() * c_floats;
+        uint16_t *abuf = (uint16_t *)(mine + c_floats - 16 * KC_BLOCKS * 32);
+        float (*c)[2][16][16] = (float (*)[2][16][16])mine;
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < n_blocks; i++)
             pack_x(x, d, order, k_count, &used[blocks[2 * i]], blocks[2 * i + 1], xp);
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < g_items; i++)
-            gate_up(w13, b13, d, width, &used[i / (width / 16)], i % (width / 16) * 16, kind,
-                    alpha, limit, xp, ap, c);
+            gate_up(&w13b, b13, d, width, &used[i / (width / 16)], i % (width / 16) * 16, kind,
+                    alpha, limit, xp, ap, c, abuf);
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < d_items; i++)
-            down(w2, b2, d, width, &used[i / (d / 32)], i % (d / 32) * 32, order, wts, ap, h, c);
+            down(&w2b, b2, d, width, &used[i / (d / 32)], i % (d / 32) * 32, order, wts, ap, h, c, abuf);
         _tile_release();
         /* Phase 4: each token's experts added in id order, rounding after each add (from
          * zero, as the loop's index_add_ into zeros). */
@@ -407,10 +497,11 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
 
 #else   /* no AMX-BF16 in this build: the caller keeps torch's products */
 int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
-               const float *wts, int64_t t_count, int64_t k_count, const uint16_t *w13,
-               const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t slots,
-               int64_t d, int64_t width, int kind, float alpha, float limit, int threads,
-               void *scratch, uint16_t *out) {
+               const float *wts, int64_t t_count, int64_t k_count, const void *w13,
+               const void *w2, const void *s13, const void *s2, int fmt, int64_t bn, int64_t bk,
+               const uint16_t *b13, const uint16_t *b2, int64_t slots, int64_t d,
+               int64_t width, int kind, float alpha, float limit, int threads, void *scratch,
+               uint16_t *out) {
     return -1;
 }
 #endif

@@ -30,10 +30,11 @@ void ft_int4_decode(const uint8_t *q, const void *gs, int fmt, const int64_t *id
 int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int64_t d,
                            int64_t width);
 int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
-               const float *wts, int64_t t_count, int64_t k_count, const uint16_t *w13,
-               const uint16_t *w2, const uint16_t *b13, const uint16_t *b2, int64_t slots,
-               int64_t d, int64_t width, int kind, float alpha, float limit, int threads,
-               void *scratch, uint16_t *out);
+               const float *wts, int64_t t_count, int64_t k_count, const void *w13,
+               const void *w2, const void *s13, const void *s2, int fmt, int64_t bn, int64_t bk,
+               const uint16_t *b13, const uint16_t *b2, int64_t slots, int64_t d,
+               int64_t width, int kind, float alpha, float limit, int threads, void *scratch,
+               uint16_t *out);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
 
 #endif

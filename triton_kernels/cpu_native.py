@@ -56,6 +56,7 @@ _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
 _WEIGHT_FORMATS = {**_FORMATS, E4M3: 3, torch.uint8: 4}   # cpu_dot.h's FT_E4M3, FT_INT4
 INT4_BF16_SCALES = 5                                      # cpu_dot.h's FT_INT4S
+E4M3_FORMAT = _WEIGHT_FORMATS[E4M3] if E4M3 is not None else None
 _IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1}
 
@@ -75,8 +76,8 @@ class NativeKernels:
         fn.restype = c_int
         self._moe = fn
         fn = lib.ft_moe_amx             # cpu_amx.c: a prefill chunk's experts on AMX tiles
-        fn.argtypes = [p, p, p, i64, p, i64, i64, p, p, p, p, i64, i64, i64, c_int, c_float,
-                       c_float, c_int, p, p]
+        fn.argtypes = [p, p, p, i64, p, i64, i64, p, p, p, p, c_int, i64, i64, p, p, i64, i64,
+                       i64, c_int, c_float, c_float, c_int, p, p]
         fn.restype = c_int
         self.moe_amx_fn = fn
         fn = lib.ft_moe_amx_scratch

@@ -33,7 +33,8 @@ from triton_kernels._dispatch import fixed_configs, interpreting, tl, triton, us
 from triton_kernels.cpu_amx import moe_amx
 from triton_kernels.cpu_matmul import Fp16Bank, linear, widens
 from triton_kernels.cpu_linear import GEMM_ROWS
-from triton_kernels.cpu_native import NativeBank, NativeFp8Bank, NativeInt4Bank, moe_native
+from triton_kernels.cpu_native import (NativeBank, NativeFp8Bank, NativeInt4Bank, has_amx_bf16,
+                                       moe_native)
 from triton_kernels.moe_align import moe_align
 
 
@@ -80,6 +81,10 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                    slot_map, b13, b2, activation)
             if prefill is not None:     # a prefill chunk: their bf16 copy on AMX
                 return prefill
+        prefill = _amx_prefill(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                               activation)
+        if prefill is not None:         # a prefill chunk: the bytes on AMX, decoded by chunks
+            return prefill
         return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, NativeInt4Bank):  # int4 experts only the CPU computes, from their nibbles
         prefill = _int4_amx_prefill(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
@@ -136,6 +141,12 @@ def _amx_prefill(x, w13: NativeBank, w2, topk_weights, topk_ids, slot_map, b13, 
     an expert cost a 512-token chunk ~5 ms a layer) where it gives the loop's bits, else
     HF's loop; the banks' float32 biases in x's dtype as HF keeps them. None where it does
     not apply."""
+    if isinstance(w13, NativeFp8Bank):  # its bytes, where AMX runs (no bf16 copy to fall to)
+        if not (has_amx_bf16() and x.dtype == torch.bfloat16
+                and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
+            return None
+        return moe_amx(w13.kernel, x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                       activation)
     if not (w13.gemm and isinstance(w2, NativeBank) and x.dtype == w13.dtype == w2.dtype
             and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
         return None
@@ -153,16 +164,24 @@ INT4_DECODE_BYTES = 512 << 20   # the most a prefill chunk's decoded int4 expert
 
 def _int4_amx_prefill(x, w13: NativeInt4Bank, w2, topk_weights, topk_ids, slot_map, b13, b2,
                       activation) -> torch.Tensor | None:
-    """_amx_prefill for int4 banks: the chunk's used experts decoded to bf16 (the reference's
-    weights, exactly for 16-bit scales; one layer of 64 experts of [512, 1024] and
-    [1024, 256], ~5 ms on 2 cores, 100 MB), then AMX's products on them. None where it does
-    not apply (no AMX, x not bf16, fewer than GEMM_ROWS pairs an expert) or where the decoded
-    experts would pass INT4_DECODE_BYTES (a large layer's, e.g. 128 experts of 2048 x 768:
-    1.2 GB; INT4 is chosen to save RAM), which the native kernel runs from the nibbles."""
+    """_amx_prefill for int4 banks: the AMX kernel on the nibbles (cpu_amx.py: each K chunk
+    of 32 rows decoded to bf16 in L1 as the reference decodes them, exactly for 16-bit
+    scales; the bf16 bank's speed at the bench layer, 0.56 bytes a weight read). Where the
+    kernel declines (a build without AMX, the two banks' scales in two forms), the chunk's
+    used experts decoded to bf16 whole (one layer of 64 experts of [512, 1024] and
+    [1024, 256], ~5 ms on 2 cores, 100 MB), then torch's products on them. None where it
+    does not apply (no AMX, x not bf16, fewer than GEMM_ROWS pairs an expert) or where the
+    decoded experts would pass INT4_DECODE_BYTES (a large layer's, e.g. 128 experts of
+    2048 x 768: 1.2 GB; INT4 is chosen to save RAM), which the native kernel runs from the
+    nibbles."""
     if not (w13.gemm and isinstance(w2, NativeInt4Bank) and w2.gemm
             and x.dtype == torch.bfloat16
             and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
         return None
+    out = moe_amx(w13.kernel, x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                  activation)
+    if out is not None:                 # from the nibbles, a chunk of rows decoded at a time
+        return out
     slots = (topk_ids if slot_map is None else slot_map[topk_ids]).long()
     used = slots.unique()
     if used.numel() * 2 * (w13.n * w13.k + w2.n * w2.k) > INT4_DECODE_BYTES:
