@@ -124,3 +124,30 @@ def test_native_banks_hand_prefill_chunks_to_the_amx_kernel(threads):
     got = fused_moe_reference(c["x"], *int4, *args, b13=c["b13"], b2=c["b2"])
     decoded = dict(c, w13=deq13.bfloat16(), w2=deq2.bfloat16())      # exact: bf16 scales
     assert torch.equal(got, run(decoded))
+
+
+@pytest.mark.parametrize("form", ["fp8 128x128", "fp8 16x32", "int4 g32 zero points",
+                                  "int4 g64 bf16 scales"])
+def test_amx_moe_reads_quantized_banks_as_their_decoded_copy(form, threads):
+    # From the bytes, each chunk of rows decoded as the reference decodes it: the bits of the
+    # kernel on the decoded bf16 bank. fp8 blocks ragged at the edges (D 160 over 128-column
+    # blocks, I 96 under one; 2I 192 rows over 128-row blocks).
+    from test_cpu_native import int4_bank
+    from tiny_fixtures import fp8_bank
+    threads(2)
+    c = biased_experts(seed=21, t=60, d=160 if form.startswith("fp8") else 128,
+                       i=96 if form.startswith("fp8") else 64, e=5, k=2, pool=7)
+    if form.startswith("fp8"):
+        block = (128, 128) if "128" in form else (16, 32)
+        (q13, s13, deq13), (q2, s2, deq2) = (fp8_bank(c[w], *block) for w in ("w13", "w2"))
+        banks = (tk.NativeFp8Bank(q13, s13, block, kernel), tk.NativeFp8Bank(q2, s2, block, kernel))
+    else:
+        group, symmetric = (32, False) if "g32" in form else (64, True)
+        (p13, deq13), (p2, deq2) = (int4_bank(c[w], group, symmetric, torch.bfloat16)
+                                    for w in ("w13", "w2"))
+        banks = tuple(tk.NativeInt4Bank(p["q"], p["s"], p.get("z"), group, kernel)
+                      for p in (p13, p2))
+    args = (c["x"], *banks, c["weights"], c["ids"], c["slot_map"], c["b13"], c["b2"], SILU)
+    got = moe_amx(kernel, *args)
+    decoded = dict(c, w13=deq13.bfloat16(), w2=deq2.bfloat16())
+    assert got is not None and torch.equal(got, run(decoded))
