@@ -151,3 +151,18 @@ def test_amx_moe_reads_quantized_banks_as_their_decoded_copy(form, threads):
     got = moe_amx(kernel, *args)
     decoded = dict(c, w13=deq13.bfloat16(), w2=deq2.bfloat16())
     assert got is not None and torch.equal(got, run(decoded))
+
+
+def test_amx_moe_runs_a_long_step_in_slices_of_its_scratch(threads, monkeypatch):
+    # A step whose scratch would pass SCRATCH_BYTES runs in slices of tokens: the same bits
+    # (a token's output is its own routing's alone).
+    import triton_kernels.cpu_amx as cpu_amx
+    threads(2)
+    c = biased_experts(seed=5, t=300, d=64, i=32, e=4, k=2, pool=6)
+    whole = run(c)
+    monkeypatch.setattr(cpu_amx, "SCRATCH_BYTES", kernel.moe_amx_scratch(100, 2, 6, 64, 32))
+    calls = []
+    fn = kernel.moe_amx_fn
+    monkeypatch.setattr(kernel, "moe_amx_fn", lambda *a: calls.append(a[5]) or fn(*a))
+    assert torch.equal(run(c), whole)
+    assert calls == [100, 100, 100]                      # tokens a call

@@ -24,6 +24,12 @@ from triton_kernels.cpu_native import (ACTIVATIONS, E4M3_FORMAT, NativeFp8Bank, 
                                        NativeKernels, _int4_format)
 
 
+# The most scratch a call keeps (a thread's, kept for the next: NativeKernels.kept_buffer;
+# not in the host RAM plans): a 2048-token step of Qwen3-30B-A3B's experts takes ~170 MB, of
+# DeepSeek-V3's ~600 MB, so that one runs in slices of ~1700 tokens.
+SCRATCH_BYTES = 512 << 20
+
+
 def moe_amx(kernel: NativeKernels, x: torch.Tensor, w13, w2, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor, slot_map: torch.Tensor | None, b13: torch.Tensor | None,
             b2: torch.Tensor | None, activation) -> torch.Tensor | None:
@@ -48,21 +54,31 @@ def moe_amx(kernel: NativeKernels, x: torch.Tensor, w13, w2, topk_weights: torch
     smap = None if slot_map is None else slot_map.contiguous().long()
     biases = [None if b is None else b.to(torch.bfloat16).contiguous() for b in (b13, b2)]
     k = ids.shape[1]
-    scratch = kernel.kept_buffer("moe_amx", kernel.moe_amx_scratch(t, k, slots, d, width),
-                                 torch.uint8)
+    # Tokens a call: as many as SCRATCH_BYTES of scratch holds (x packed and each pair's
+    # output: ~2 (2D + I) bytes a pair), the step's tokens in slices beyond (a token's output
+    # is its own routing's alone: the same bits).
+    full = kernel.moe_amx_scratch(64, k, slots, d, width)
+    per_token = max(1, full - kernel.moe_amx_scratch(63, k, slots, d, width))
+    piece = max(64, (SCRATCH_BYTES - (full - 64 * per_token)) // per_token)
+    scratch = kernel.kept_buffer(
+        "moe_amx", kernel.moe_amx_scratch(min(t, piece), k, slots, d, width), torch.uint8)
     out = torch.empty_like(x)
-    rc = kernel.moe_amx_fn(
-        x.data_ptr(), ids.data_ptr(), 0 if smap is None else smap.data_ptr(),
-        0 if smap is None else smap.numel(), routing.data_ptr(), t, k, *pointers,
-        *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
-        ACTIVATIONS[activation.kind], activation.alpha, activation.limit,
-        torch.get_num_threads(), scratch.data_ptr(), out.data_ptr())
-    if rc == -2:
-        raise ValueError(f"AMX MoE: an expert id is outside the slot map or maps outside the "
-                         f"bank's {slots} slots")
-    if rc == -4:
-        raise MemoryError("AMX MoE: out of host memory for its routing tables")
-    return out if rc == 0 else None
+    for t0 in range(0, t, piece):
+        n = min(piece, t - t0)
+        rc = kernel.moe_amx_fn(
+            x[t0].data_ptr(), ids[t0].data_ptr(), 0 if smap is None else smap.data_ptr(),
+            0 if smap is None else smap.numel(), routing[t0].data_ptr(), n, k, *pointers,
+            *(0 if b is None else b.data_ptr() for b in biases), slots, d, width,
+            ACTIVATIONS[activation.kind], activation.alpha, activation.limit,
+            torch.get_num_threads(), scratch.data_ptr(), out[t0].data_ptr())
+        if rc == -2:
+            raise ValueError(f"AMX MoE: an expert id is outside the slot map or maps outside "
+                             f"the bank's {slots} slots")
+        if rc == -4:
+            raise MemoryError("AMX MoE: out of host memory for its routing tables")
+        if rc != 0:
+            return None
+    return out
 
 
 def _weights(w13, w2) -> tuple | None:
