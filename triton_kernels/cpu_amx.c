@@ -6,8 +6,13 @@
  * Why: torch's path for these chunks (fused_moe._moe_grouped_torch) runs one oneDNN product
  * per expert and projection, each repacking its weights and opening a parallel region (a
  * 512-token prefill of 12 layers of 64 experts: ~1500 of them), and a dozen elementwise ops
- * over [P, D] between them. Here: four parallel regions' worth of phases in one, the weights
- * read as they lie.
+ * over [P, D] between them. Here: the layer's four phases (pack x, gate/up and activation,
+ * down and weighting, each token's sum) in one parallel region, the weights read as they
+ * lie: the bench layer's 512-token chunk (64 experts of [512, 1024] and [1024, 256], top-8,
+ * 2-core Xeon) 12 ms against 36 (bench/cpu_moe.py --tokens 512). There, cold, the weights
+ * stream at ~10 GB/s: each tile load of 16 rows waits on its lines (tile registers are not
+ * renamed, so the next load cannot start early), and software prefetch of the next chunk or
+ * the next item's rows, or copying them in first, ran slower.
  *
  * The products are computed transposed, C^T = W X^T: an A tile is 16 weight rows x 32
  * columns as the bank holds them ([N, K] row-major, a 64-byte line a row: nothing repacked,
@@ -315,27 +320,25 @@ static void gate_up(const struct bank *w13, const uint16_t *b13, int64_t d, int6
     const int64_t kb_count = d / 32, tb_count = (e->n + 15) / 16, ka_count = width / 32;
     products(w13, e->slot, r0, width + r0, xp + e->xp, kb_count, tb_count, c, abuf);
     for (int64_t tb = 0; tb < tb_count; tb++) {
-        {
-            /* rows r0 + 2j and + 1 of the activation: one row of 16 pair-words of a B tile */
-            uint16_t *dst = ap + e->ap + (tb * ka_count + r0 / 32) * TILE + (r0 % 32) / 2 * 32;
-            for (int j = 0; j < 8; j++) {
-                __m512 a[2];
-                for (int s = 0; s < 2; s++) {
-                    const int n = 2 * j + s;
-                    __m512 g = round_bf16(_mm512_load_ps(c[tb][0][n]));
-                    __m512 u = round_bf16(_mm512_load_ps(c[tb][1][n]));
-                    if (b13) {
-                        g = round_bf16(_mm512_add_ps(g, _mm512_set1_ps(
-                            bf16_at(b13, e->slot * 2 * width + r0 + n))));
-                        u = round_bf16(_mm512_add_ps(u, _mm512_set1_ps(
-                            bf16_at(b13, e->slot * 2 * width + width + r0 + n))));
-                    }
-                    a[s] = activate16(g, u, kind, alpha, limit);
+        /* rows r0 + 2j and + 1 of the activation: one row of 16 pair-words of a B tile */
+        uint16_t *dst = ap + e->ap + (tb * ka_count + r0 / 32) * TILE + (r0 % 32) / 2 * 32;
+        for (int j = 0; j < 8; j++) {
+            __m512 a[2];
+            for (int s = 0; s < 2; s++) {
+                const int n = 2 * j + s;
+                __m512 g = round_bf16(_mm512_load_ps(c[tb][0][n]));
+                __m512 u = round_bf16(_mm512_load_ps(c[tb][1][n]));
+                if (b13) {
+                    g = round_bf16(_mm512_add_ps(g, _mm512_set1_ps(
+                        bf16_at(b13, e->slot * 2 * width + r0 + n))));
+                    u = round_bf16(_mm512_add_ps(u, _mm512_set1_ps(
+                        bf16_at(b13, e->slot * 2 * width + width + r0 + n))));
                 }
-                const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(a[0]), 16);
-                const __m512i hi = _mm512_castps_si512(a[1]);     /* low halves are zero */
-                _mm512_storeu_si512(dst + j * 32, _mm512_or_si512(lo, hi));
+                a[s] = activate16(g, u, kind, alpha, limit);
             }
+            const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(a[0]), 16);
+            const __m512i hi = _mm512_castps_si512(a[1]);     /* low halves are zero */
+            _mm512_storeu_si512(dst + j * 32, _mm512_or_si512(lo, hi));
         }
     }
 }
@@ -348,27 +351,25 @@ static void down(const struct bank *w2, const uint16_t *b2, int64_t d, int64_t w
     const int64_t ka_count = width / 32, tb_count = (e->n + 15) / 16;
     products(w2, e->slot, r0, r0 + 16, ap + e->ap, ka_count, tb_count, c, abuf);
     for (int64_t tb = 0; tb < tb_count; tb++) {
-        {
-            const int64_t r = tb * 16, n_t = e->n - r < 16 ? e->n - r : 16;
-            /* the 16 tokens' routing weights in bf16 (0 past the expert's rows) */
-            float wv[16] __attribute__((aligned(64)));
-            for (int t = 0; t < 16; t++)
-                wv[t] = t < n_t ? wts[order[e->first + r + t]] : 0.f;
-            const __m512 wb = round_bf16(_mm512_load_ps(wv));
-            for (int half = 0; half < 2; half++) {          /* rows r0 + 16 half + n */
-                __m512 v[16];
-                for (int n = 0; n < 16; n++) {
-                    __m512 y = round_bf16(_mm512_load_ps(c[tb][half][n]));
-                    if (b2)
-                        y = round_bf16(_mm512_add_ps(y, _mm512_set1_ps(
-                            bf16_at(b2, e->slot * d + r0 + 16 * half + n))));
-                    v[n] = round_bf16(_mm512_mul_ps(y, wb));
-                }
-                transpose16(v);                 /* -> token t's 16 rows */
-                for (int t = 0; t < n_t; t++)
-                    _mm256_storeu_si256((__m256i *)(h + (e->first + r + t) * d + r0 + 16 * half),
-                                        narrow_bf16(v[t]));
+        const int64_t r = tb * 16, n_t = e->n - r < 16 ? e->n - r : 16;
+        /* the 16 tokens' routing weights in bf16 (0 past the expert's rows) */
+        float wv[16] __attribute__((aligned(64)));
+        for (int t = 0; t < 16; t++)
+            wv[t] = t < n_t ? wts[order[e->first + r + t]] : 0.f;
+        const __m512 wb = round_bf16(_mm512_load_ps(wv));
+        for (int half = 0; half < 2; half++) {          /* rows r0 + 16 half + n */
+            __m512 v[16];
+            for (int n = 0; n < 16; n++) {
+                __m512 y = round_bf16(_mm512_load_ps(c[tb][half][n]));
+                if (b2)
+                    y = round_bf16(_mm512_add_ps(y, _mm512_set1_ps(
+                        bf16_at(b2, e->slot * d + r0 + 16 * half + n))));
+                v[n] = round_bf16(_mm512_mul_ps(y, wb));
             }
+            transpose16(v);                 /* -> token t's 16 rows */
+            for (int t = 0; t < n_t; t++)
+                _mm256_storeu_si256((__m256i *)(h + (e->first + r + t) * d + r0 + 16 * half),
+                                    narrow_bf16(v[t]));
         }
     }
 }
