@@ -6,10 +6,10 @@
  * Why: torch's path for these chunks (fused_moe._moe_grouped_torch) runs one oneDNN product
  * per expert and projection, each repacking its weights and opening a parallel region (a
  * 512-token prefill of 12 layers of 64 experts: ~1500 of them), and a dozen elementwise ops
- * over [P, D] between them. Here: the layer's four phases (pack x, gate/up and activation,
- * down and weighting, each token's sum) in one parallel region, the weights read as they
+ * over [P, D] between them. Here: the layer's three phases (pack x; gate/up and activation;
+ * down, weighting and each token's sum) in one parallel region, the weights read as they
  * lie: the bench layer's 512-token chunk (64 experts of [512, 1024] and [1024, 256], top-8,
- * 2-core Xeon) 12 ms against 36 (bench/cpu_moe.py --tokens 512). There, cold, the weights
+ * 2-core Xeon) 10-12 ms against 36 (bench/cpu_moe.py --tokens 512). There, cold, the weights
  * stream at ~10 GB/s: each tile load of 16 rows waits on its lines (tile registers are not
  * renamed, so the next load cannot start early), and software prefetch of the next chunk or
  * the next item's rows, or copying them in first, ran slower.
@@ -19,7 +19,9 @@
  * the decode kernel reads the same bytes), a B tile 16 column pairs x 16 tokens of x in
  * AMX's pair layout, which phase 1 packs once per expert (a chunk's x is P x D; its experts'
  * weights S x 3 x I x D). C tiles come out as rows by tokens: the activation runs on them as
- * they are, and the down product's are transposed (16 x 16 in registers) into token rows.
+ * they are, and the down product's are transposed (16 x 16 in registers) into token rows and
+ * added into the output there: a thread owns a block of output rows and adds every expert's
+ * share into it in expert id order (HF's order), so no [P, D] of per-pair outputs is kept.
  *
  * Shapes (P = T * k (token, expert) pairs, S slots, D hidden, I expert width, both multiples
  * of 32): x [T, D] bf16; ids [T, k] i64 expert ids (slot_map [n_map] i64 maps them to slots,
@@ -44,7 +46,7 @@ int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int6
                            int64_t width) {
     const int64_t pairs = t_count * k_count;
     const int64_t rows = pairs + 15 * (slots < pairs ? slots : pairs);   /* padded to 16s */
-    return (rows * (d + width) + pairs * d) * 2 + 3 * 64;
+    return rows * (d + width) * 2 + 2 * 64;
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
@@ -343,11 +345,14 @@ static void gate_up(const struct bank *w13, const uint16_t *b13, int64_t d, int6
     }
 }
 
-/* Phase 3: down rows [r0, r0 + 32) of an expert, all its tokens, weighted, rounded, into
- * the token rows of h (sorted pair order). */
+/* Phase 3: down rows [r0, r0 + 32) of an expert, all its tokens, weighted and rounded, each
+ * added into its token's output row (rounding after the add). The caller runs a row block's
+ * experts in id order on one thread: each output element gets its token's experts added one
+ * at a time in id order from zero, as the loop's index_add_ into zeros. */
 static void down(const struct bank *w2, const uint16_t *b2, int64_t d, int64_t width,
-                 const struct expert *e, int64_t r0, const int64_t *order, const float *wts,
-                 const uint16_t *ap, uint16_t *h, float (*c)[2][16][16], uint16_t *abuf) {
+                 const struct expert *e, int64_t r0, const int64_t *order, int64_t k_count,
+                 const float *wts, const uint16_t *ap, uint16_t *out, float (*c)[2][16][16],
+                 uint16_t *abuf) {
     const int64_t ka_count = width / 32, tb_count = (e->n + 15) / 16;
     products(w2, e->slot, r0, r0 + 16, ap + e->ap, ka_count, tb_count, c, abuf);
     for (int64_t tb = 0; tb < tb_count; tb++) {
@@ -367,9 +372,12 @@ static void down(const struct bank *w2, const uint16_t *b2, int64_t d, int64_t w
                 v[n] = round_bf16(_mm512_mul_ps(y, wb));
             }
             transpose16(v);                 /* -> token t's 16 rows */
-            for (int t = 0; t < n_t; t++)
-                _mm256_storeu_si256((__m256i *)(h + (e->first + r + t) * d + r0 + 16 * half),
-                                    narrow_bf16(v[t]));
+            for (int t = 0; t < n_t; t++) {
+                __m256i *o = (__m256i *)(out + order[e->first + r + t] / k_count * d + r0
+                                         + 16 * half);
+                _mm256_storeu_si256(o, narrow_bf16(round_bf16(_mm512_add_ps(
+                    widen_bf16(_mm256_loadu_si256(o)), v[t]))));
+            }
         }
     }
 }
@@ -390,13 +398,11 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     if (!amx_permitted())
         return -1;
     const int64_t pairs = t_count * k_count;
-    /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order); pos:
-     * each pair's place in that order. */
+    /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
     int64_t *order = malloc((pairs ? pairs : 1) * sizeof *order);
-    int64_t *pos = malloc((pairs ? pairs : 1) * sizeof *pos);
     struct expert *used = malloc((slots ? slots : 1) * sizeof *used);
-    int rc = !start || !order || !pos || !used ? -4 : 0;
+    int rc = !start || !order || !used ? -4 : 0;
     for (int64_t p = 0; p < pairs && !rc; p++) {
         if (slot_map && (ids[p] < 0 || ids[p] >= n_map)) {
             rc = -2;
@@ -409,7 +415,7 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
             start[s + 1]++;
     }
     if (rc) {
-        free(start), free(order), free(pos), free(used);
+        free(start), free(order), free(used);
         return rc;
     }
     int64_t n_used = 0, xrows = 0;
@@ -423,26 +429,42 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     }
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t s = slot_map ? slot_map[ids[p]] : ids[p];
-        pos[p] = start[s]++;
-        order[pos[p]] = p;
+        order[start[s]++] = p;
     }
-    /* scratch: packed x [xrows, D], packed activations [xrows, I], h [P, D] (64-aligned) */
+    /* scratch: packed x [xrows, D], packed activations [xrows, I] (64-aligned) */
     uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
     uint16_t *xp = (uint16_t *)base;
     uint16_t *ap = (uint16_t *)(((uintptr_t)(xp + xrows * d) + 63) & ~(uintptr_t)63);
-    uint16_t *h = (uint16_t *)(((uintptr_t)(ap + xrows * width) + 63) & ~(uintptr_t)63);
-    /* Work items: phase 1 (expert, token block); 2 (expert, 16 gate rows); 3 (expert, 32
-     * down rows). */
+    /* Work items: phase 1 (expert, token block); 2 (expert, 16 gate rows); 3 (32 down
+     * rows, every expert). */
     int64_t *blocks = malloc((xrows / 16 + 1) * 2 * sizeof *blocks);
     if (!blocks) {
-        free(start), free(order), free(pos), free(used);
+        free(start), free(order), free(used);
         return -4;
     }
     int64_t n_blocks = 0;
     for (int64_t u = 0; u < n_used; u++)
         for (int64_t tb = 0; tb * 16 < used[u].n; tb++)
             blocks[2 * n_blocks] = u, blocks[2 * n_blocks++ + 1] = tb;
-    const int64_t g_items = n_used * (width / 16), d_items = n_used * (d / 32);
+    const int64_t g_items = n_used * (width / 16);
+    /* phase 3's rows an item: long runs of each expert's rows (the weights stream
+     * sequentially), but 4 items a thread or more */
+    int64_t d_rows = 32;
+    while (d_rows < 256 && d / (2 * d_rows) >= 4 * (threads > 0 ? threads : 1))
+        d_rows *= 2;
+    /* phase 3 takes the used experts in expert id order (slot_map may permute them) */
+    int64_t *by_id = malloc((n_used ? n_used : 1) * sizeof *by_id);
+    if (!by_id) {
+        free(start), free(order), free(used), free(blocks);
+        return -4;
+    }
+    for (int64_t u = 0; u < n_used; u++) {          /* insertion sort: n_used <= slots */
+        const int64_t id = ids[order[used[u].first]];
+        int64_t v = u;
+        for (; v > 0 && ids[order[used[by_id[v - 1]].first]] > id; v--)
+            by_id[v] = by_id[v - 1];
+        by_id[v] = u;
+    }
     /* each thread's partial sums: the most token blocks an expert has, x 2 tiles */
     int64_t most = 0;
     for (int64_t u = 0; u < n_used; u++)
@@ -451,7 +473,7 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     const int64_t c_floats = (most + 15) / 16 * 2 * 256 + 16 * KC_BLOCKS * 32;
     float *cbuf = aligned_alloc(64, (threads > 0 ? threads : 1) * c_floats * sizeof *cbuf);
     if (!cbuf) {
-        free(start), free(order), free(pos), free(used), free(blocks);
+        free(start), free(order), free(used), free(blocks), free(by_id);
         return -4;
     }
 
@@ -461,6 +483,9 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
         float *mine = cbuf + omp_get_thread_num() * c_floats;
         uint16_t *abuf = (uint16_t *)(mine + c_floats - 16 * KC_BLOCKS * 32);
         float (*c)[2][16][16] = (float (*)[2][16][16])mine;
+#pragma omp for schedule(static) nowait
+        for (int64_t t = 0; t < t_count; t++)           /* the sums start from zero */
+            memset(out + t * d, 0, d * sizeof *out);
 #pragma omp for schedule(dynamic)
         for (int64_t i = 0; i < n_blocks; i++)
             pack_x(x, d, order, k_count, &used[blocks[2 * i]], blocks[2 * i + 1], xp);
@@ -469,30 +494,14 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
             gate_up(&w13b, b13, d, width, &used[i / (width / 16)], i % (width / 16) * 16, kind,
                     alpha, limit, xp, ap, c, abuf);
 #pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < d_items; i++)
-            down(&w2b, b2, d, width, &used[i / (d / 32)], i % (d / 32) * 32, order, wts, ap, h, c, abuf);
+        for (int64_t r0 = 0; r0 < d; r0 += d_rows)      /* a row block: every expert, by id */
+            for (int64_t u = 0; u < n_used; u++)
+                for (int64_t r = r0; r < r0 + d_rows && r < d; r += 32)
+                    down(&w2b, b2, d, width, &used[by_id[u]], r, order, k_count, wts, ap, out,
+                         c, abuf);
         _tile_release();
-        /* Phase 4: each token's experts added in id order, rounding after each add (from
-         * zero, as the loop's index_add_ into zeros). */
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < t_count; t++) {
-            int64_t at[64], id[64];
-            for (int64_t j = 0; j < k_count; j++) {     /* insertion sort by id */
-                int64_t i = j;
-                for (; i > 0 && id[i - 1] > ids[t * k_count + j]; i--)
-                    id[i] = id[i - 1], at[i] = at[i - 1];
-                id[i] = ids[t * k_count + j], at[i] = pos[t * k_count + j];
-            }
-            for (int64_t c = 0; c < d; c += 16) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t j = 0; j < k_count; j++)
-                    acc = round_bf16(_mm512_add_ps(acc, widen_bf16(_mm256_loadu_si256(
-                        (const __m256i *)(h + at[j] * d + c)))));
-                _mm256_storeu_si256((__m256i *)(out + t * d + c), narrow_bf16(acc));
-            }
-        }
     }
-    free(start), free(order), free(pos), free(used), free(blocks), free(cbuf);
+    free(start), free(order), free(used), free(blocks), free(by_id), free(cbuf);
     return 0;
 }
 

@@ -25,8 +25,8 @@ from triton_kernels.cpu_native import (ACTIVATIONS, E4M3_FORMAT, NativeFp8Bank, 
 
 
 # The most scratch a call keeps (a thread's, kept for the next: NativeKernels.kept_buffer;
-# not in the host RAM plans): a 2048-token step of Qwen3-30B-A3B's experts takes ~170 MB, of
-# DeepSeek-V3's ~600 MB, so that one runs in slices of ~1700 tokens.
+# not in the host RAM plans): a 2048-token step of Qwen3-30B-A3B's experts takes ~100 MB, of
+# DeepSeek-V3's ~370 MB; a longer step runs in slices.
 SCRATCH_BYTES = 512 << 20
 
 
@@ -54,9 +54,9 @@ def moe_amx(kernel: NativeKernels, x: torch.Tensor, w13, w2, topk_weights: torch
     smap = None if slot_map is None else slot_map.contiguous().long()
     biases = [None if b is None else b.to(torch.bfloat16).contiguous() for b in (b13, b2)]
     k = ids.shape[1]
-    # Tokens a call: as many as SCRATCH_BYTES of scratch holds (x packed and each pair's
-    # output: ~2 (2D + I) bytes a pair), the step's tokens in slices beyond (a token's output
-    # is its own routing's alone: the same bits).
+    # Tokens a call: as many as SCRATCH_BYTES of scratch holds (x and the activations packed
+    # per pair: ~2 (D + I) bytes a pair), the step's tokens in slices beyond (a token's
+    # output is its own routing's alone: the same bits).
     full = kernel.moe_amx_scratch(64, k, slots, d, width)
     per_token = max(1, full - kernel.moe_amx_scratch(63, k, slots, d, width))
     piece = max(64, (SCRATCH_BYTES - (full - 64 * per_token)) // per_token)
