@@ -7,9 +7,11 @@ this does not apply (a build without AMX, widths not multiples of 32, more than 
 token) it returns None and the caller keeps torch's products (fused_moe._moe_grouped_torch:
 one oneDNN product per expert and projection).
 
-One 512-token chunk of one layer (64 experts of [512, 1024] and [1024, 256], top-8, 2-core
-Xeon; `python bench/cpu_moe.py --tokens 64,512`): bf16 12.0 ms against torch's 36.0 (3.0x);
-int4 g32 from its nibbles 12.5; fp8 from its bytes 13.4, from its bf16 copy 11.3. Its
+One 512-token chunk of one layer, 2-core Xeon (`python bench/cpu_moe.py --tokens 512`, ms):
+64 experts of [512, 1024] and [1024, 256], top-8 (bench/cpu.py's model): bf16 10-12 against
+torch's 36 (3.0x); int4 g32 from its nibbles as bf16; fp8 from its bytes 1.2x its bf16
+copy's. Qwen3-30B-A3B's layer (`--experts 128 --hidden 2048 --width 768`): bf16 94 against
+238 (2.5x), int4 g32 83, fp8 from its bytes 111. Its
 roundings are HF's loop's (each product's output, the bias add, the activation, the weighting
 and each add of a token's experts, in expert id order, to bf16); the products' float32 sums
 differ from oneDNN's in the last bits where oneDNN splits K (on this CPU from K 512): ~0.1%
