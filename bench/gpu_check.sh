@@ -103,9 +103,11 @@ cpu-experts)
   timeout 180 python3 bench/offload.py --model /tmp/offload-model --build-only 2>&1 | tail -3
   echo "== ft bench bw"
   timeout 40 python3 -m freetoken.cli bench bw 2>&1 | tee "$OUT/bw.txt"
-  echo "== one MoE layer on the CPU (128 experts, D 2048, I 768; INT4 g32 as Kimi-K2's)"
-  timeout 70 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1,8,16 \
-    --formats int4_g32 --arms "bf16 native,bf16 packed,int4_g32 native" --reps 5 2>&1 \
+  echo "== one MoE layer on the CPU (128 experts, D 2048, I 768; INT4 g32 as Kimi-K2's;"
+  echo "   512 tokens: a prefill chunk, the AMX kernel against oneDNN an expert at a time)"
+  timeout 70 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 \
+    --tokens 1,8,16,512 --formats int4_g32 \
+    --arms "bf16 native,bf16 onednn,bf16 packed,int4_g32 native" --reps 5 2>&1 \
     | tee "$OUT/cpu_moe.txt"
   for threads in 15 8; do       # all cores but one, half: a team fighting other threads?
     timeout 25 python3 bench/cpu_moe.py --experts 128 --hidden 2048 --width 768 --tokens 1 \
