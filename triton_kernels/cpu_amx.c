@@ -50,6 +50,12 @@ int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int6
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#define FT_AMX 1
+#else
+#define FT_AMX 0
+#endif
+
+#if FT_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -392,12 +398,17 @@ static void down(const struct bank *w2, const uint16_t *b2, int64_t d, int64_t w
     }
 }
 
+#endif
+
 int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
                const float *wts, int64_t t_count, int64_t k_count, const void *w13,
                const void *w2, const void *s13, const void *s2, int fmt, int64_t bn, int64_t bk,
                const uint16_t *b13, const uint16_t *b2, int64_t slots, int64_t d,
                int64_t width, int kind, float alpha, float limit, int threads, void *scratch,
                uint16_t *out) {
+#if !FT_AMX
+    return -1;            /* no AMX-BF16 in this build: the caller keeps torch's products */
+#else
     if (d % 32 || width % 32 || d <= 0 || width <= 0 || k_count > 64 || !(fmt == 0
             || (fmt == FT_E4M3 && bn > 0 && bk > 0 && bk % 32 == 0)
             || (is_int4(fmt) && bk >= 32 && !(bk & (bk - 1)) && !(d % bk) && !(width % bk))))
@@ -513,15 +524,6 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     }
     free(start), free(order), free(used), free(blocks), free(by_id), free(cbuf);
     return 0;
+#endif
 }
 
-#else   /* no AMX-BF16 in this build: the caller keeps torch's products */
-int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
-               const float *wts, int64_t t_count, int64_t k_count, const void *w13,
-               const void *w2, const void *s13, const void *s2, int fmt, int64_t bn, int64_t bk,
-               const uint16_t *b13, const uint16_t *b2, int64_t slots, int64_t d,
-               int64_t width, int kind, float alpha, float limit, int threads, void *scratch,
-               uint16_t *out) {
-    return -1;
-}
-#endif
