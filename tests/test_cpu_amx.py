@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import triton_kernels as tk
-from tiny_fixtures import biased_experts
+from tiny_fixtures import amx_kernel_runs, biased_experts
 from triton_kernels.cpu_amx import moe_amx
-from triton_kernels.fused_moe import SILU, SWIGLU_OAI, _moe_loop_torch, fused_moe_reference
+from triton_kernels.fused_moe import (SILU, SWIGLU_OAI, MoeActivation, _moe_loop_torch,
+                                      fused_moe_reference)
 
 kernel = tk.native_kernels()
-pytestmark = pytest.mark.skipif(kernel is None or not tk.has_amx_bf16(),
-                                reason="no native kernels or no AMX-BF16 on this CPU")
+pytestmark = pytest.mark.skipif(not amx_kernel_runs(kernel),
+                                reason="the AMX kernel does not run here")
 
 
 def close_to_loop(got, want):
@@ -42,7 +43,8 @@ def float64_reference(c, activation, bias=True):
             else:
                 g, u = g.clamp(max=activation.limit), u.clamp(-activation.limit, activation.limit)
                 a = (u + 1) * g * torch.sigmoid(activation.alpha * g)
-            out[t] += c["weights"][t, j].double() * (w2[s] @ a + (c["b2"][s].double() if bias else 0))
+            down = w2[s] @ a + (c["b2"][s].double() if bias else 0)
+            out[t] += c["weights"][t, j].double() * down
     return out
 
 
@@ -60,7 +62,10 @@ def loop(c, activation=SILU, bias=True):
 # expert), many blocks an expert, K past one chunk of 256 columns (d 512, i 320).
 @pytest.mark.parametrize("t,d,i,e,k", [(1, 64, 32, 4, 2), (40, 64, 32, 3, 2),
                                        (50, 128, 96, 6, 4), (200, 512, 320, 8, 3)])
-@pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])
+# gpt-oss's activation also with limits that clamp most values, one not a bf16 value (a bf16
+# tensor's clamp meets it rounded).
+@pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI, MoeActivation("swiglu_oai", 1.702, 0.5),
+                                        MoeActivation("swiglu_oai", 1.702, 0.3)])
 def test_amx_moe_rounds_as_hfs_loop(t, d, i, e, k, activation, threads):
     c = biased_experts(seed=t + d, t=t, d=d, i=i, e=e, k=k, pool=e + 3)
     for bias in (True, False):
@@ -96,6 +101,13 @@ def test_amx_moe_routing_edges(threads):
     mapped = dict(c, ids=torch.tensor([[3, 1, 0]] * 64), slot_map=torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="outside"):                   # past the slot map
         run(mapped)
+    # two routed ids in one slot: declined (the caller's torch path adds them by id)
+    shared = dict(c, ids=torch.tensor([[3, 1, 0]] * 64), slot_map=torch.tensor([0, 1, 2, 1]))
+    assert run(shared) is None
+    with pytest.raises(ValueError, match="weights"):                   # weights not [T, k]
+        run(dict(c, weights=c["weights"][:, :1]))
+    with pytest.raises(ValueError, match="biases"):
+        run(dict(c, b2=c["b2"][:, :32]))
 
 
 def test_amx_moe_declines_what_it_does_not_take():
@@ -126,8 +138,8 @@ def test_native_banks_hand_prefill_chunks_to_the_amx_kernel(threads):
     assert torch.equal(got, run(decoded))
 
 
-@pytest.mark.parametrize("form", ["fp8 128x128", "fp8 16x32", "int4 g32 zero points",
-                                  "int4 g64 bf16 scales"])
+@pytest.mark.parametrize("form", ["fp8 128x128", "fp8 16x32", "fp8 7x32", "fp8 48x64",
+                                  "int4 g32 zero points", "int4 g64 bf16 scales"])
 def test_amx_moe_reads_quantized_banks_as_their_decoded_copy(form, threads):
     # From the bytes, each chunk of rows decoded as the reference decodes it: the bits of the
     # kernel on the decoded bf16 bank. fp8 blocks ragged at the edges (D 160 over 128-column
@@ -138,7 +150,8 @@ def test_amx_moe_reads_quantized_banks_as_their_decoded_copy(form, threads):
     c = biased_experts(seed=21, t=60, d=160 if form.startswith("fp8") else 128,
                        i=96 if form.startswith("fp8") else 64, e=5, k=2, pool=7)
     if form.startswith("fp8"):
-        block = (128, 128) if "128" in form else (16, 32)
+        block = tuple(int(n) for n in form.split()[1].split("x"))   # row blocks of 7, 48:
+        # not whole 16-row tiles
         (q13, s13, deq13), (q2, s2, deq2) = (fp8_bank(c[w], *block) for w in ("w13", "w2"))
         banks = (tk.NativeFp8Bank(q13, s13, block, kernel), tk.NativeFp8Bank(q2, s2, block, kernel))
     else:

@@ -52,6 +52,18 @@ def biased_experts(seed: int, t: int, d: int = 64, i: int = 32, e: int = 6, k: i
                 slot_map=slot_map)
 
 
+def amx_kernel_runs(kernel) -> bool:
+    """Whether the native AMX MoE kernel (triton_kernels/cpu_amx.py) runs here: built with AMX,
+    on a CPU and OS that grant the tiles."""
+    import triton_kernels as tk
+    from triton_kernels.cpu_amx import moe_amx
+    if kernel is None or not tk.has_amx_bf16():
+        return False
+    c = biased_experts(seed=0, t=16, d=32, i=32, e=2, k=1, pool=2)
+    return moe_amx(kernel, c["x"], c["w13"], c["w2"], c["weights"], c["ids"], c["slot_map"],
+                   None, None, tk.SILU) is not None
+
+
 def fp8_bank(w, bn, bk):
     """w [E, N, K] quantized to e4m3 with one float32 scale per (bn, bk) block (ragged at the
     edges), and its exact float32 decoding."""

@@ -36,7 +36,8 @@
  * clamped (up + 1) * gate * sigmoid(alpha gate); scratch of ft_moe_amx_scratch(T, k, S, D, I)
  * bytes; out [T, D] bf16.
  * Returns 0; -1 no AMX here (built without it, or the kernel denied the tile state), -2 an
- * id or slot out of range, -3 shapes or formats it does not take, -4 out of memory.
+ * id or slot out of range, -3 shapes or formats it does not take (or a slot map sending two
+ * routed ids to one slot), -4 out of memory.
  * Each output's bits are the same whatever the thread count: every dot product is one
  * chain of tile products over K in order, every other step elementwise.
  */
@@ -49,7 +50,8 @@ int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int6
     return rows * (d + width) * 2 + 2 * 64;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) \
+    && defined(__AVX512BF16__)
 #define FT_AMX 1
 #else
 #define FT_AMX 0
@@ -134,13 +136,15 @@ static inline __m512 exp16(__m512 x) {
 static inline __m512 activate16(__m512 g, __m512 u, int kind, float alpha, float limit) {
     const __m512 one = _mm512_set1_ps(1.f);
     if (kind == 0) {                     /* silu(gate), rounded, times up, rounded */
-        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
         return round_bf16(_mm512_mul_ps(round_bf16(s), u));
     }
     g = _mm512_min_ps(g, _mm512_set1_ps(limit));
     u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
     const __m512 ag = _mm512_mul_ps(_mm512_set1_ps(alpha), g);
-    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), ag))));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), ag));
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, e));
     return round_bf16(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(u, one), g), sig));
 }
 
@@ -239,7 +243,8 @@ static void decode_rows(const struct bank *b, int64_t e, int64_t r, int64_t c0, 
                         _mm512_srli_epi32(round_bits(v), 16)));
                 }
                 /* 16 bytes -> 16 words of (low nibble, high nibble): elements j + 2i, + 1 */
-                const __m512i b32 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(src + j / 2)));
+                const __m512i b32 = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(src + j / 2)));
                 const __m512i idx = _mm512_ternarylogic_epi32(
                     _mm512_and_si512(b32, _mm512_set1_epi32(15)),
                     _mm512_slli_epi32(b32, 12), _mm512_set1_epi32(0xf0000), 0xf8);
@@ -413,17 +418,25 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
             || (fmt == FT_E4M3 && bn > 0 && bk > 0 && bk % 32 == 0)
             || (is_int4(fmt) && bk >= 32 && !(bk & (bk - 1)) && !(d % bk) && !(width % bk))))
         return -3;
+    threads = threads > 0 ? threads : 1;   /* (num_threads(0) would be the default team) */
+    /* gpt-oss's clamps at the limit as a bf16 tensor's clamp meets it: rounded to bf16 */
+    limit = round_to(limit, 0);
     const int gshift = is_int4(fmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
     const struct bank w13b = {w13, s13, fmt, gshift, 2 * width, d, bn, bk};
     const struct bank w2b = {w2, s2, fmt, gshift, d, width, bn, bk};
     if (!amx_permitted())
         return -1;
     const int64_t pairs = t_count * k_count;
-    /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
+    /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order), and
+     * each used slot's expert id: a slot map that sends two routed ids to one slot is
+     * declined (the down phase adds by slot, in id order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
+    int64_t *slot_id = malloc((slots ? slots : 1) * sizeof *slot_id);
     int64_t *order = malloc((pairs ? pairs : 1) * sizeof *order);
     struct expert *used = malloc((slots ? slots : 1) * sizeof *used);
-    int rc = !start || !order || !used ? -4 : 0;
+    int rc = !start || !slot_id || !order || !used ? -4 : 0;
+    for (int64_t s = 0; s < slots && !rc; s++)
+        slot_id[s] = -1;
     for (int64_t p = 0; p < pairs && !rc; p++) {
         if (slot_map && (ids[p] < 0 || ids[p] >= n_map)) {
             rc = -2;
@@ -432,11 +445,13 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
         const int64_t s = slot_map ? slot_map[ids[p]] : ids[p];
         if (s < 0 || s >= slots)
             rc = -2;
+        else if (slot_id[s] >= 0 && slot_id[s] != ids[p])
+            rc = -3;
         else
-            start[s + 1]++;
+            start[s + 1]++, slot_id[s] = ids[p];
     }
     if (rc) {
-        free(start), free(order), free(used);
+        free(start), free(slot_id), free(order), free(used);
         return rc;
     }
     int64_t n_used = 0, xrows = 0;
@@ -460,7 +475,7 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
      * rows, every expert). */
     int64_t *blocks = malloc((xrows / 16 + 1) * 2 * sizeof *blocks);
     if (!blocks) {
-        free(start), free(order), free(used);
+        free(start), free(slot_id), free(order), free(used);
         return -4;
     }
     int64_t n_blocks = 0;
@@ -471,18 +486,18 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     /* phase 3's rows an item: long runs of each expert's rows (the weights stream
      * sequentially), but 4 items a thread or more */
     int64_t d_rows = 32;
-    while (d_rows < 256 && d / (2 * d_rows) >= 4 * (threads > 0 ? threads : 1))
+    while (d_rows < 256 && d / (2 * d_rows) >= 4 * threads)
         d_rows *= 2;
     /* phase 3 takes the used experts in expert id order (slot_map may permute them) */
     int64_t *by_id = malloc((n_used ? n_used : 1) * sizeof *by_id);
     if (!by_id) {
-        free(start), free(order), free(used), free(blocks);
+        free(start), free(slot_id), free(order), free(used), free(blocks);
         return -4;
     }
     for (int64_t u = 0; u < n_used; u++) {          /* insertion sort: n_used <= slots */
-        const int64_t id = ids[order[used[u].first]];
+        const int64_t id = slot_id[used[u].slot];
         int64_t v = u;
-        for (; v > 0 && ids[order[used[by_id[v - 1]].first]] > id; v--)
+        for (; v > 0 && slot_id[used[by_id[v - 1]].slot] > id; v--)
             by_id[v] = by_id[v - 1];
         by_id[v] = u;
     }
@@ -492,9 +507,9 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
         most = used[u].n > most ? used[u].n : most;
     /* and the decoded chunk of a quantized bank's 32 rows (abuf, 16 KB) */
     const int64_t c_floats = (most + 15) / 16 * 2 * 256 + 16 * KC_BLOCKS * 32;
-    float *cbuf = aligned_alloc(64, (threads > 0 ? threads : 1) * c_floats * sizeof *cbuf);
+    float *cbuf = aligned_alloc(64, threads * c_floats * sizeof *cbuf);
     if (!cbuf) {
-        free(start), free(order), free(used), free(blocks), free(by_id);
+        free(start), free(slot_id), free(order), free(used), free(blocks), free(by_id);
         return -4;
     }
 
@@ -522,7 +537,7 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
                          c, abuf);
         _tile_release();
     }
-    free(start), free(order), free(used), free(blocks), free(by_id), free(cbuf);
+    free(start), free(slot_id), free(order), free(used), free(blocks), free(by_id), free(cbuf);
     return 0;
 #endif
 }

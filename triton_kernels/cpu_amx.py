@@ -40,8 +40,9 @@ def moe_amx(kernel: NativeKernels, x: torch.Tensor, w13, w2, topk_weights: torch
     decoded once, as their reference decodes it: the bits of this kernel on their decoded
     bf16 copy); biases [S, 2I] / [S, D] (any float dtype: used in bf16, as HF's loop adds
     them) or None; topk_ids [T, k] expert ids (slot_map [E] -> slots, or None) -> [T, D]
-    bf16. None where the kernel does not take these shapes or formats, or this build has no
-    AMX."""
+    bf16. None where the kernel does not take these shapes or formats (or a slot map that
+    sends two routed ids to one slot), or this build has no AMX; a ValueError for routing
+    weights or biases of other shapes than the ids' and the banks'."""
     weights = _weights(w13, w2)
     t, d = x.shape
     if weights is None or not (
@@ -50,6 +51,14 @@ def moe_amx(kernel: NativeKernels, x: torch.Tensor, w13, w2, topk_weights: torch
             and topk_ids.shape[1] <= 64 and topk_ids.shape[0] == t):
         return None
     *pointers, slots, _, width = weights
+    if topk_weights.shape != topk_ids.shape or any(
+            b is not None and tuple(b.shape) != shape
+            for b, shape in ((b13, (slots, 2 * width)), (b2, (slots, d)))):
+        raise ValueError(f"AMX MoE: weights [T, k] as the ids and biases [S, 2I] / [S, D] for "
+                         f"{slots} slots of I {width}, D {d} expected, got weights "
+                         f"{tuple(topk_weights.shape)}, ids {tuple(topk_ids.shape)}, biases "
+                         f"{None if b13 is None else tuple(b13.shape)} / "
+                         f"{None if b2 is None else tuple(b2.shape)}")
     x = x.contiguous()
     ids = topk_ids.contiguous().long()
     routing = topk_weights.float().contiguous()
