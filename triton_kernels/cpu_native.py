@@ -684,10 +684,11 @@ class NativeFp8Bank:
     a weight read. Each weight is widened in registers (cpu_dot.h's load_e4m3) and x is
     scaled per block, so a batch-1 layer costs ~0.65x a bf16 bank's (2-core Xeon, 64
     experts, D 1024, I 256, cold: 0.39 ms against 0.59) and 3-9x less than the tile decode.
-    prefill: the same experts decoded to bf16 for AMX's products (NativeBank.decoded, gemm),
-    which fused_moe hands prefill chunks to (a 512-token chunk from the bytes ran at 0.43x
-    the bf16 model's): 2 bytes a weight beside the checkpoint's, counted in nbytes; None:
-    every call from the bytes."""
+    prefill: the same experts decoded to bf16 (NativeBank.decoded, gemm), which fused_moe
+    hands prefill chunks to, on the AMX kernel (cpu_amx.py): 2 bytes a weight beside the
+    checkpoint's, counted in nbytes; None: prefill chunks run the AMX kernel from the bytes
+    (each chunk of rows decoded as the copy holds them, the same bits: a 512-token chunk of
+    the bench layer 1.2x the copy's time), where AMX runs, else the native kernel."""
 
     float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
     dtype = E4M3
