@@ -392,7 +392,7 @@ def test_int4_bank_decodes_prefill_chunks_for_amx(symmetric, threads, monkeypatc
     with pytest.raises(ValueError, match="out of"):
         kernel.int4_decode(q13["q"], banks[True][0].gs, 32, torch.tensor([4, 0]), out=into[1:])
     # A layer past the decode budget (INT4_DECODE_BYTES: where the kernel declines, the used
-    # experts are decoded whole first) still runs the kernel, which decodes a chunk at a time;
+    # experts are decoded whole first) still runs the kernel, which decodes 32 rows at a time;
     # without it, the native kernel on the nibbles.
     import sys
     monkeypatch.setattr(sys.modules["triton_kernels.fused_moe"], "INT4_DECODE_BYTES", 1 << 10)

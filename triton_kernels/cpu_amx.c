@@ -29,8 +29,9 @@
  * w2 [S, D, I] in fmt: 0 bf16 (read as they lie); 3 e4m3 bytes with float32 block scales
  * s13 [S, ceil(2I/bn), ceil(D/bk)] and s2 [S, ceil(D/bn), ceil(I/bk)] (bk a multiple of 32);
  * 4 and 5 int4 nibbles [.., K/2] with cpu_dot.h's group scales, bk = G (a power of two from
- * 32 dividing D and I). A quantized bank's 32 rows are decoded a K chunk at a time into a
- * thread's L1 buffer, once for all the expert's tokens, each weight as its reference decodes
+ * 32 dividing D and I). A quantized bank's 32 rows of a work item are decoded whole, a row
+ * after another (sequential streams, 1.1-1.2x faster than a K chunk at a time), into a
+ * thread's L2 buffer, once for all the expert's tokens, each weight as its reference decodes
  * it (the value in float32, rounded once to bf16): the bits of this kernel on the decoded
  * bf16 bank. b13 [S, 2I] and b2 [S, D] bf16 or NULL; kind 0 silu(gate) * up, 1 gpt-oss's
  * clamped (up + 1) * gate * sigmoid(alpha gate); scratch of ft_moe_amx_scratch(T, k, S, D, I)
@@ -180,7 +181,7 @@ struct expert {
 };
 
 /* A bank's weights [S, n, k] as the products read them: bf16 as they lie (fmt 0), or
- * decoded a K chunk at a time into a thread's buffer (fmt 3: e4m3 bytes with float32 block
+ * decoded 32 whole rows at a time into a thread's buffer (fmt 3: e4m3 bytes with float32 block
  * scales s [S, ceil(n/bn), ceil(k/bk)]; 4 and 5: int4 nibbles [S, n, k/2] with cpu_dot.h's
  * group scales, bk = G = 1 << gshift). */
 struct bank {
@@ -202,22 +203,22 @@ static inline __m512i round_bits(__m512 v) {
 static void decode_rows(const struct bank *b, int64_t e, int64_t r, int64_t c0, int64_t cols,
                         uint16_t *dst, int64_t ld) {
     /* e4m3: each 32 columns' scale block (no division per row: bk is a runtime value) */
-    int64_t block[KC_BLOCKS], rb = 1, cb = 1;
-    if (b->fmt == FT_E4M3) {
+    int64_t rb = 1, cb = 1;
+    if (b->fmt == FT_E4M3)
         rb = (b->n + b->bn - 1) / b->bn, cb = (b->k + b->bk - 1) / b->bk;
-        for (int64_t j = 0; j < cols / 32; j++)
-            block[j] = (c0 + 32 * j) / b->bk;
-    }
     for (int i = 0; i < 16; i++) {
         const int64_t row = e * b->n + r + i;
         uint16_t *out = dst + i * ld;
         if (b->fmt == FT_E4M3) {
             const uint8_t *src = (const uint8_t *)b->w + row * b->k;
             const float *srow = (const float *)b->s + (e * rb + (r + i) / b->bn) * cb;
+            int64_t blk = c0 / b->bk, next = (blk + 1) * b->bk;  /* (no division a segment) */
             for (int64_t j = c0; j < c0 + cols; j += 32) {
                 vf lo, hi;                  /* elements j..j+15, j+16..j+31, at 1/E4M3_UNIT */
+                if (j >= next)
+                    blk++, next += b->bk;
                 load_e4m3(src + j, &lo, &hi);
-                const __m512 s = _mm512_set1_ps(srow[block[(j - c0) / 32]] * E4M3_UNIT);
+                const __m512 s = _mm512_set1_ps(srow[blk] * E4M3_UNIT);
                 __m512 l, h;
                 memcpy(&l, &lo, sizeof l);
                 memcpy(&h, &hi, sizeof h);
@@ -258,25 +259,25 @@ static void decode_rows(const struct bank *b, int64_t e, int64_t r, int64_t c0, 
  * [r1, r1 + 16) x the same, for the tb_count token blocks of b (kb_count B tiles each, back
  * to back): each one chain of tile products over the kb_count column blocks, in order.
  * K in chunks of KC_BLOCKS: a chunk's 32 rows (16 KB) stay in L1 for every token block, the
- * partial sums parked in c (exactly: float32 out and back); a quantized bank's chunk decoded
- * into abuf (2 x 16 x KC_BLOCKS x 32 bf16) once for all the token blocks. */
+ * partial sums parked in c (exactly: float32 out and back); a quantized bank's 32 rows are
+ * decoded whole into abuf (32 x K bf16) first, once for all the token blocks. */
 static inline void products(const struct bank *wb, int64_t e, int64_t r0, int64_t r1,
                             const uint16_t *b, int64_t kb_count, int64_t tb_count,
                             float (*c)[2][16][16], uint16_t *abuf) {
+    const uint16_t *a0base, *a1base;
+    int64_t lda;
+    if (wb->fmt == 0) {
+        a0base = (const uint16_t *)wb->w + (e * wb->n + r0) * wb->k;
+        a1base = (const uint16_t *)wb->w + (e * wb->n + r1) * wb->k;
+        lda = wb->k * 2;
+    } else {            /* the 32 rows whole, a row after another: sequential streams */
+        decode_rows(wb, e, r0, 0, kb_count * 32, abuf, kb_count * 32);
+        decode_rows(wb, e, r1, 0, kb_count * 32, abuf + 16 * kb_count * 32, kb_count * 32);
+        a0base = abuf, a1base = abuf + 16 * kb_count * 32, lda = kb_count * 32 * 2;
+    }
     for (int64_t k0 = 0; k0 < kb_count; k0 += KC_BLOCKS) {
         const int64_t k1 = k0 + KC_BLOCKS < kb_count ? k0 + KC_BLOCKS : kb_count;
-        const uint16_t *a0, *a1;
-        int64_t lda;
-        if (wb->fmt == 0) {
-            a0 = (const uint16_t *)wb->w + (e * wb->n + r0) * wb->k + k0 * 32;
-            a1 = (const uint16_t *)wb->w + (e * wb->n + r1) * wb->k + k0 * 32;
-            lda = wb->k * 2;
-        } else {
-            decode_rows(wb, e, r0, k0 * 32, (k1 - k0) * 32, abuf, KC_BLOCKS * 32);
-            decode_rows(wb, e, r1, k0 * 32, (k1 - k0) * 32, abuf + 16 * KC_BLOCKS * 32,
-                        KC_BLOCKS * 32);
-            a0 = abuf, a1 = abuf + 16 * KC_BLOCKS * 32, lda = KC_BLOCKS * 32 * 2;
-        }
+        const uint16_t *a0 = a0base + k0 * 32, *a1 = a1base + k0 * 32;
         for (int64_t tb = 0; tb < tb_count; tb += 2) {
             const int two = tb + 1 < tb_count;
             const uint16_t *b0 = b + tb * kb_count * TILE, *b1 = b0 + kb_count * TILE;
@@ -505,8 +506,9 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     int64_t most = 0;
     for (int64_t u = 0; u < n_used; u++)
         most = used[u].n > most ? used[u].n : most;
-    /* and the decoded chunk of a quantized bank's 32 rows (abuf, 16 KB) */
-    const int64_t c_floats = (most + 15) / 16 * 2 * 256 + 16 * KC_BLOCKS * 32;
+    /* and a quantized bank's 32 decoded rows (abuf) */
+    const int64_t a_elems = 32 * (d > width ? d : width);   /* 32 rows decoded (bf16) */
+    const int64_t c_floats = (most + 15) / 16 * 2 * 256 + a_elems / 2;
     float *cbuf = aligned_alloc(64, threads * c_floats * sizeof *cbuf);
     if (!cbuf) {
         free(start), free(slot_id), free(order), free(used), free(blocks), free(by_id);
@@ -517,7 +519,7 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
     {
         load_tiles();
         float *mine = cbuf + omp_get_thread_num() * c_floats;
-        uint16_t *abuf = (uint16_t *)(mine + c_floats - 16 * KC_BLOCKS * 32);
+        uint16_t *abuf = (uint16_t *)(mine + c_floats - a_elems / 2);
         float (*c)[2][16][16] = (float (*)[2][16][16])mine;
 #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < t_count; t++)           /* the sums start from zero */

@@ -2,7 +2,7 @@
 
 fused_moe hands a CPU bank's prefill chunks here first (GEMM_ROWS (token, expert) pairs an
 expert and more, on a CPU with AMX-BF16): bf16 banks read as they lie, int4 and fp8 banks from
-their bytes, each K chunk of 32 rows decoded once into L1 as its reference decodes it. Where
+their bytes, each work item's 32 rows decoded once into L2 as its reference decodes it. Where
 this does not apply (a build without AMX, widths not multiples of 32, more than 64 experts a
 token, a slot map sending two routed ids to one slot) it returns None and the caller keeps torch's products (fused_moe._moe_grouped_torch:
 one oneDNN product per expert and projection).
@@ -37,7 +37,7 @@ def moe_amx(kernel: NativeKernels, x: torch.Tensor, w13, w2, topk_weights: torch
             topk_ids: torch.Tensor, slot_map: torch.Tensor | None, b13: torch.Tensor | None,
             b2: torch.Tensor | None, activation) -> torch.Tensor | None:
     """x [T, D] bf16 through w13 [S, 2I, D] and w2 [S, D, I]: bf16 tensors (contiguous), or
-    two NativeInt4Bank or two NativeFp8Bank, read from their bytes (each K chunk of 32 rows
+    two NativeInt4Bank or two NativeFp8Bank, read from their bytes (each work item's 32 rows
     decoded once, as their reference decodes it: the bits of this kernel on their decoded
     bf16 copy); biases [S, 2I] / [S, D] (any float dtype: used in bf16, as HF's loop adds
     them) or None; topk_ids [T, k] expert ids (slot_map [E] -> slots, or None) -> [T, D]

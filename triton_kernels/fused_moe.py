@@ -164,8 +164,8 @@ INT4_DECODE_BYTES = 512 << 20   # the most a prefill chunk's decoded int4 expert
 
 def _int4_amx_prefill(x, w13: NativeInt4Bank, w2, topk_weights, topk_ids, slot_map, b13, b2,
                       activation) -> torch.Tensor | None:
-    """_amx_prefill for int4 banks: the AMX kernel on the nibbles (cpu_amx.py: each K chunk
-    of 32 rows decoded to bf16 in L1 as the reference decodes them, exactly for 16-bit
+    """_amx_prefill for int4 banks: the AMX kernel on the nibbles (cpu_amx.py: each work
+    item's 32 rows decoded to bf16 in L2 as the reference decodes them, exactly for 16-bit
     scales; the bf16 bank's speed at the bench layer, 0.56 bytes a weight read). Where the
     kernel declines (a build without AMX, the two banks' scales in two forms), the chunk's
     used experts decoded to bf16 whole (one layer of 64 experts of [512, 1024] and
@@ -180,7 +180,7 @@ def _int4_amx_prefill(x, w13: NativeInt4Bank, w2, topk_weights, topk_ids, slot_m
         return None
     out = moe_amx(w13.kernel, x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
                   activation)
-    if out is not None:                 # from the nibbles, a chunk of rows decoded at a time
+    if out is not None:                 # from the nibbles, 32 rows decoded at a time
         return out
     slots = (topk_ids if slot_map is None else slot_map[topk_ids]).long()
     used = slots.unique()
