@@ -688,7 +688,8 @@ class NativeFp8Bank:
     hands prefill chunks to, on the AMX kernel (cpu_amx.py): 2 bytes a weight beside the
     checkpoint's, counted in nbytes; None: prefill chunks run the AMX kernel from the bytes
     (32 rows at a time decoded as the copy holds them, the same bits: a 512-token chunk of
-    the bench layer in the copy's time, Qwen3-30B's 1.2-1.3x), where AMX runs, else the native kernel."""
+    the bench layer in the copy's time, Qwen3-30B's 1.2-1.3x), where AMX runs, else the
+    native kernel."""
 
     float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
     dtype = E4M3

@@ -76,14 +76,14 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if not isinstance(activation, MoeActivation):
         raise ValueError(f"fused_moe: activation must be a MoeActivation, got {activation!r}")
     if isinstance(w13, NativeFp8Bank):  # fp8 experts only the CPU computes, from their bytes
-        if w13.prefill is not None and isinstance(w2, NativeFp8Bank) and w2.prefill is not None:
-            prefill = _amx_prefill(x, w13.prefill, w2.prefill, topk_weights, topk_ids,
-                                   slot_map, b13, b2, activation)
-            if prefill is not None:     # a prefill chunk: their bf16 copy on AMX
-                return prefill
-        prefill = _amx_prefill(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
-                               activation)
-        if prefill is not None:         # a prefill chunk: the bytes on AMX, decoded by chunks
+        # a prefill chunk: their bf16 copy on AMX, or where RAM held none, the bytes on AMX
+        copies = (w13.prefill is not None and isinstance(w2, NativeFp8Bank)
+                  and w2.prefill is not None)
+        prefill = (_amx_prefill(x, w13.prefill, w2.prefill, topk_weights, topk_ids, slot_map,
+                                b13, b2, activation) if copies else
+                   _fp8_amx_prefill(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                                    activation))
+        if prefill is not None:
             return prefill
         return moe_native(x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2, activation)
     if isinstance(w13, NativeInt4Bank):  # int4 experts only the CPU computes, from their nibbles
@@ -141,12 +141,6 @@ def _amx_prefill(x, w13: NativeBank, w2, topk_weights, topk_ids, slot_map, b13, 
     an expert cost a 512-token chunk ~5 ms a layer) where it gives the loop's bits, else
     HF's loop; the banks' float32 biases in x's dtype as HF keeps them. None where it does
     not apply."""
-    if isinstance(w13, NativeFp8Bank):  # its bytes, where AMX runs (no bf16 copy to fall to)
-        if not (has_amx_bf16() and x.dtype == torch.bfloat16
-                and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
-            return None
-        return moe_amx(w13.kernel, x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
-                       activation)
     if not (w13.gemm and isinstance(w2, NativeBank) and x.dtype == w13.dtype == w2.dtype
             and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
         return None
@@ -157,6 +151,18 @@ def _amx_prefill(x, w13: NativeBank, w2, topk_weights, topk_ids, slot_map, b13, 
     biases = [None if b is None else b.to(x.dtype) for b in (b13, b2)]
     run = _moe_grouped_torch if _grouped_exact(x, w2.weight, activation) else _moe_loop_torch
     return run(x, w13.weight, w2.weight, topk_weights, topk_ids, slot_map, *biases, activation)
+
+
+def _fp8_amx_prefill(x, w13: NativeFp8Bank, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                     activation) -> torch.Tensor | None:
+    """_amx_prefill for fp8 banks without a bf16 copy: the AMX kernel on their bytes (32 rows
+    at a time decoded as the copy would hold them). None where it does not apply (no AMX, x
+    not bf16, fewer than GEMM_ROWS pairs an expert, or the kernel declines)."""
+    if not (has_amx_bf16() and x.dtype == torch.bfloat16
+            and _rows_per_expert(topk_ids, slot_map) >= GEMM_ROWS):
+        return None
+    return moe_amx(w13.kernel, x, w13, w2, topk_weights, topk_ids, slot_map, b13, b2,
+                   activation)
 
 
 INT4_DECODE_BYTES = 512 << 20   # the most a prefill chunk's decoded int4 experts take
