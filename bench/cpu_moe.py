@@ -2,9 +2,9 @@
 """One MoE layer on the CPU: bf16 experts (and the forms of experts only the CPU computes: the
 native kernel's, cpu_native.NativeBank (on an AMX CPU its prefill chunks on cpu_amx.c, and
 "bf16 onednn", the torch path it replaced: oneDNN's products an expert at a time), and the
-fp16-weight GEMM's, cpu_matmul.Fp16Bank, alone and with the CPU engine's CpuSplit) against each quantized format's CPU decode
-(triton_kernels/dequant_cpu.py), the packed forms of experts only the CPU computes (INT4's for
-the int4 GEMM, int4_cpu.py, and its nibbles on the native kernel, NativeInt4Bank; FP8 blocks'
+fp16-weight GEMM's, cpu_matmul.Fp16Bank, alone and with the CPU engine's CpuSplit) against
+each quantized format's CPU decode (triton_kernels/dequant_cpu.py), the packed forms of
+experts only the CPU computes (INT4's for the int4 GEMM, int4_cpu.py, and its nibbles on the native kernel, NativeInt4Bank; FP8 blocks'
 bytes on the native kernel, NativeFp8Bank, "bytes"; the others decoded once to 16 bits,
 NativeBank.decoded, and Fp16Bank.decoded without the native kernel) and the float32
 reference, in one run.

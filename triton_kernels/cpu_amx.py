@@ -2,16 +2,17 @@
 
 fused_moe hands a CPU bank's prefill chunks here first (GEMM_ROWS (token, expert) pairs an
 expert and more, on a CPU with AMX-BF16): bf16 banks read as they lie, int4 and fp8 banks from
-their bytes, each work item's 32 rows decoded once into L2 as its reference decodes it. Where
-this does not apply (a build without AMX, widths not multiples of 32, more than 64 experts a
-token, a slot map sending two routed ids to one slot) it returns None and the caller keeps torch's products (fused_moe._moe_grouped_torch:
-one oneDNN product per expert and projection).
+their bytes, each work item's 32 rows decoded once into L2 as its reference decodes them.
+Where this does not apply (a build without AMX, widths not multiples of 32, more than 64
+experts a token, a slot map sending two routed ids to one slot) it returns None and the caller
+keeps torch's products (fused_moe._moe_grouped_torch: one oneDNN product per expert and
+projection).
 
 One 512-token chunk of one layer, 2-core Xeon (`python bench/cpu_moe.py --tokens 512`, ms):
 64 experts of [512, 1024] and [1024, 256], top-8 (bench/cpu.py's model): bf16 10-12 against
-torch's 36 (3.0x); int4 g32 from its nibbles as bf16; fp8 from its bytes 1.2x its bf16
-copy's. Qwen3-30B-A3B's layer (`--experts 128 --hidden 2048 --width 768`): bf16 79-94
-against 179-238 (2.3-2.5x), int4 g32 80-84, fp8 from its bytes 111.
+torch's 36 (3.0x); int4 g32 from its nibbles and fp8 from its bytes about as bf16 and as fp8's
+bf16 copy. Qwen3-30B-A3B's layer (`--experts 128 --hidden 2048 --width 768`): bf16 79-94
+against 179-238 (2.3-2.5x), int4 g32 69-82, fp8 from its bytes 120-123.
 
 Its roundings are HF's loop's (each product's output, the bias add, the activation, the
 weighting and each add of a token's experts, in expert id order, to bf16); the products'
