@@ -4,10 +4,10 @@ native kernel's, cpu_native.NativeBank (on an AMX CPU its prefill chunks on cpu_
 "bf16 onednn", the torch path it replaced: oneDNN's products an expert at a time), and the
 fp16-weight GEMM's, cpu_matmul.Fp16Bank, alone and with the CPU engine's CpuSplit) against
 each quantized format's CPU decode (triton_kernels/dequant_cpu.py), the packed forms of
-experts only the CPU computes (INT4's for the int4 GEMM, int4_cpu.py, and its nibbles on the native kernel, NativeInt4Bank; FP8 blocks'
-bytes on the native kernel, NativeFp8Bank, "bytes"; the others decoded once to 16 bits,
-NativeBank.decoded, and Fp16Bank.decoded without the native kernel) and the float32
-reference, in one run.
+experts only the CPU computes (INT4's for the int4 GEMM, int4_cpu.py, and its nibbles on the
+native kernel, NativeInt4Bank; FP8 blocks' bytes on the native kernel, NativeFp8Bank,
+"bytes"; the others decoded once to 16 bits, NativeBank.decoded, and Fp16Bank.decoded without
+the native kernel) and the float32 reference, in one run.
 
     python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
     python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
