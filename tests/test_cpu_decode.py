@@ -411,15 +411,20 @@ def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family,
     # window and sinks on alternate layers) and generate what the torch path generates, to
     # bf16's ties: a random tiny model's top two logits can be one bf16 step apart, so where
     # the tokens part, the torch path's top two must be that near (and the rest is not
-    # compared); the steps before must agree in token and logprob.
+    # compared); the steps before must agree in token and logprob. "Near" is 0.1: bf16's
+    # noise on these models (gpt_oss's first token: HF's bf16 logprob is 0.038 off its
+    # float32 one), two bf16 paths twice that apart after a few steps.
     from freetoken import LLM, SamplingParams
     from freetoken.models.layers.attention import Attention
     path = str(tiny_model_dir(family, seed=3))
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=2)
     prompts = [[5, 17, 99, 3, 200, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21],
                [40, 41, 2, 9, 77, 300, 12, 8, 1, 64, 65, 66, 3, 3, 5, 900, 17, 18]]
-    # (enforce_eager: the modules' step, which the decode program replays: test_cpu_graph.py)
-    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True)
+    # (enforce_eager: the modules' step, which the decode program replays: test_cpu_graph.py;
+    # no prefix cache: the second run's prefill would be other batches, its tokens a bf16 step
+    # off before any decode step, and only the decode steps are compared)
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              enable_prefix_caching=False)
     attns = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
     assert attns and all(a.cpu_decode is not None for a in attns)
     calls = []                                      # the native steps taken
@@ -441,9 +446,9 @@ def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family,
         for step, (tok, ref) in enumerate(zip(got.token_ids, want.token_ids)):
             (lp, _), (ref_lp, top) = got.logprobs[step], want.logprobs[step]
             if tok != ref:
-                assert top[0][1] - top[1][1] < 0.05, (step, top)      # a near-tie
+                assert top[0][1] - top[1][1] < 0.1, (step, top)       # a near-tie
                 break
-            assert abs(lp - ref_lp) < 0.05, (step, lp, ref_lp)
+            assert abs(lp - ref_lp) < 0.1, (step, lp, ref_lp)
             agreed += 1
     assert agreed >= 18, agreed
 

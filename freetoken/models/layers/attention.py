@@ -73,6 +73,7 @@ class Attention(nn.Module):
         self.qkv_packed: tk.CpuLinear | tk.Int4Linear | None = None
         self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
         self.cpu_decode: tk.CpuDecodeAttention | None = None
+        self.cpu_prefill: tk.CpuPrefillAttention | None = None
 
     def pack_cpu(self) -> int:
         """CPU engine: q, k and v as one product [(Hq' + 2Hk)*Dh, D] (linear.pack_fused: one
@@ -80,6 +81,11 @@ class Attention(nn.Module):
         at all)."""
         self.qkv_packed = pack_fused([self.q_proj, self.k_proj, self.v_proj])
         self.cpu_decode = self._native_decode()
+        kernel = tk.native_kernels()
+        if kernel is not None and tk.has_amx_bf16():    # other steps' attention on AMX tiles
+            self.cpu_prefill = tk.CpuPrefillAttention(
+                kernel, (self.num_heads, self.num_kv_heads), self.scale, self.cfg.sliding_window,
+                self.sinks)
         return 0 if self.qkv_packed is None else self.qkv_packed.nbytes
 
     def _native_decode(self) -> tk.CpuDecodeAttention | None:
@@ -138,8 +144,14 @@ class Attention(nn.Module):
             extra["sliding_window"] = self.cfg.sliding_window
         if self.sinks is not None:
             extra["sinks"] = self.sinks
-        o = tk.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
-                               batch.seq_lens, self.scale, batch.max_seqlen_q, **extra)
+        o = None
+        if self.cpu_prefill is not None:        # None where it does not take these caches
+            o = self.cpu_prefill(q, k_cache, v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                 batch.seq_lens)
+        if o is None:
+            o = tk.paged_attention(q, k_cache, v_cache, batch.block_tables,
+                                   batch.cu_seqlens_q, batch.seq_lens, self.scale,
+                                   batch.max_seqlen_q, **extra)
         o = o.reshape(t, self.num_heads * hd)
         if gate is not None:
             o = o * torch.sigmoid(gate)

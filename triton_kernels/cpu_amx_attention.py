@@ -1,0 +1,95 @@
+"""A CPU engine step's attention over the paged KV cache on AMX tiles (cpu_amx_attention.c,
+ft_attn_amx): its prefill chunks, over a cached prefix or none. A step's decode rows (one new
+token) keep the decode path, here and in pure decode steps (cpu_attention.py's native step,
+or the reference's): float32 probabilities, the same whether or not another sequence is
+prefilling beside them.
+
+Its reference is paged_attention_reference (torch's CPU flash attention on the gathered
+keys), to a bf16 step or two: scores and the online softmax in float32, the probabilities
+rounded to bf16 for the value product, the output rounded once, with other block edges than
+torch's. Where it does not apply (a build or CPU without AMX, a cache not bf16, head dims not
+multiples of 32 (keys) and 16 (values) or past 256, cache blocks not multiples of 16 tokens)
+it returns None and the caller keeps the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from triton_kernels.cpu_native import NativeKernels
+from triton_kernels.paged_attention import paged_attention_reference
+
+# The most room a call's transposed value copies take (one per sequence and kv head, a
+# thread's kept buffer: NativeKernels.kept_buffer, not in the host RAM plans): a step whose
+# copies exceed it makes them a group of sequences at a time (one alone may exceed it:
+# 2 bytes a value of its context).
+PACK_BYTES = 64 << 20
+
+
+class CpuPrefillAttention:
+    """One layer's constants: heads (Hq, Hk), the softmax scale, the window (None: none) and
+    the sinks ([Hq], any float dtype; None: none); pack_bytes: PACK_BYTES's room."""
+
+    def __init__(self, kernel: NativeKernels, heads: tuple[int, int], scale: float,
+                 window: int | None, sinks: torch.Tensor | None, pack_bytes: int = PACK_BYTES):
+        self.kernel, (self.hq, self.hk), self.scale = kernel, heads, scale
+        self.pack_bytes = pack_bytes
+        self.window = window or 0
+        self.sinks = None if sinks is None else sinks.detach().float().contiguous()
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens: torch.Tensor) -> torch.Tensor | None:
+        """q [T, Hq, Dk] after RoPE, caches [NB, BS, Hk, D] holding this step's keys,
+        block_tables [B, M], cu_seqlens_q [B+1], seq_lens [B] (paged_attention's meaning)
+        -> [T, Hq, Dv] in q's dtype, or None where the kernel does not take these."""
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.dim() == 3
+                and k_cache.dim() == v_cache.dim() == 4 and q.shape[1] == self.hq
+                and k_cache.shape[2] == v_cache.shape[2] == self.hk
+                and k_cache.shape[:2] == v_cache.shape[:2] and q.shape[2] == k_cache.shape[3]
+                and k_cache.stride(3) == v_cache.stride(3) == 1):
+            return None
+        t, _, dk = q.shape
+        dv = v_cache.shape[3]
+        q = q.contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        cu = cu_seqlens_q.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        b = lens.numel()
+        if cu.numel() != b + 1 or tables.dim() != 2 or tables.shape[0] != b:
+            raise ValueError(f"attention: cu_seqlens_q [B+1] and block_tables [B, M] for "
+                             f"{b} sequences expected, got {tuple(cu.shape)} and "
+                             f"{tuple(tables.shape)}")
+        n_q = cu[1:] - cu[:-1]
+        single = n_q == 1
+        if bool(single.all()):
+            return None             # a pure decode step: the caller's decode path
+        threads = torch.get_num_threads()
+        need = self.kernel.attn_amx_scratch(cu.data_ptr(), lens.data_ptr(), b, 2, self.hk, dk,
+                                            dv, self.window, threads, self.pack_bytes)
+        scratch = self.kernel.kept_buffer("attn_amx", need, torch.uint8)
+        out = q.new_empty(t, self.hq, dv)
+        rc = self.kernel.attn_amx_fn(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+            *k_cache.stride()[:3], *v_cache.stride()[:3], tables.data_ptr(), tables.shape[1],
+            cu.data_ptr(), lens.data_ptr(), b, 2, self.hq, self.hk, dk, dv, k_cache.shape[1],
+            self.scale, self.window, 0 if self.sinks is None else self.sinks.data_ptr(),
+            threads, scratch.data_ptr(), need, self.pack_bytes, out.data_ptr())
+        if rc == -2:
+            raise ValueError(f"attention: a block table names a block outside the cache's "
+                             f"{k_cache.shape[0]}, or is shorter than a sequence")
+        if rc == -4:
+            raise MemoryError("attention: the AMX kernel's scratch was too small or its "
+                              "tables could not be allocated")
+        if rc != 0:
+            return None
+        if bool(single.any()):
+            # Decode rows of this step as in a pure decode step (float32 probabilities, the
+            # reference's decode batch): a sequence's tokens do not depend on whether
+            # another one was prefilling beside it.
+            rows = cu[:-1][single].long()
+            out[rows] = paged_attention_reference(
+                q[rows], k_cache, v_cache, tables[single], torch.arange(
+                    rows.numel() + 1, dtype=torch.int32), lens[single], self.scale,
+                sliding_window=self.window or None, sinks=self.sinks)
+        return out
