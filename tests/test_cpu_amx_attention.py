@@ -158,6 +158,14 @@ def test_declines_what_it_does_not_take(change):
     assert attention(c) is None
 
 
+def test_offsets_past_q_are_refused_and_table_rows_past_the_batch_unread():
+    c = case(((40, 40),))
+    want = attention(c)
+    assert torch.equal(attention(dict(c, tables=torch.cat([c["tables"], -c["tables"]]))), want)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        attention(dict(c, cu=torch.tensor([0, 41], dtype=torch.int32)))
+
+
 def test_a_table_naming_a_block_outside_the_cache_is_refused():
     c = case(((40, 40),))
     c["tables"][0, 1] = c["k"].shape[0]

@@ -52,14 +52,16 @@ class CpuPrefillAttention:
         t, _, dk = q.shape
         dv = v_cache.shape[3]
         q = q.contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        cu = cu_seqlens_q.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         b = lens.numel()
-        if cu.numel() != b + 1 or tables.dim() != 2 or tables.shape[0] != b:
-            raise ValueError(f"attention: cu_seqlens_q [B+1] and block_tables [B, M] for "
-                             f"{b} sequences expected, got {tuple(cu.shape)} and "
-                             f"{tuple(tables.shape)}")
+        # (rows past the batch's, as the reference reads them: unused)
+        tables = block_tables[:b].to(torch.int32).contiguous()
+        cu = cu_seqlens_q[:b + 1].to(torch.int32).contiguous()
+        if (cu.numel() != b + 1 or tables.dim() != 2 or tables.shape[0] != b
+                or int(cu[0]) != 0 or int(cu[-1]) > t):
+            raise ValueError(f"attention: cu_seqlens_q [B+1] from 0 to at most {t} tokens and "
+                             f"block_tables [B, M] for {b} sequences expected, got "
+                             f"{cu.tolist()} and {tuple(block_tables.shape)}")
         n_q = cu[1:] - cu[:-1]
         single = n_q == 1
         if bool(single.all()):
