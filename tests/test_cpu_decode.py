@@ -282,7 +282,7 @@ def test_fp8_bank_hands_prefill_rows_to_its_bf16_copy():
 def attention_case(seed, lens, hq=4, hk=2, dh=32, rot=32, bs=4, cache_dtype=torch.bfloat16,
                    dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    b, nb = len(lens), 64
+    b, nb = len(lens), max(64, sum(-(-n // bs) for n in lens) + 8)
     perm = torch.randperm(nb, generator=g)
     m = max(-(-n // bs) for n in lens) + 1
     tables = torch.full((b, m), -1, dtype=torch.int32)
@@ -296,7 +296,7 @@ def attention_case(seed, lens, hq=4, hk=2, dh=32, rot=32, bs=4, cache_dtype=torc
     k_cache = torch.randn(nb, bs, hk, dh, generator=g).to(cache_dtype)
     v_cache = torch.randn(nb, bs, hk, dh, generator=g).to(cache_dtype)
     inv = 1.0 / 10000 ** (torch.arange(0, rot, 2).double() / rot)
-    ang = torch.arange(512).double()[:, None] * inv[None]
+    ang = torch.arange(32768).double()[:, None] * inv[None]
     cos_sin = torch.cat([ang.cos(), ang.sin()], dim=1).float()
     return dict(qkv=torch.randn(b, (hq + 2 * hk) * dh, generator=g).to(dtype),
                 q_norm=(1 + 0.3 * torch.randn(dh, generator=g)).to(dtype),
@@ -380,6 +380,67 @@ def check_decode_step(c, norms, window, sinks, interleaved, scale):
     assert err < 2e-2, err
 
 
+def blocks_of_4(c):
+    """The case's 16-token cache blocks as 4-token ones (block i -> 4i .. 4i + 3): the same
+    keys and slots, in blocks that the AMX tiles (16 keys of a block) do not take."""
+    nb, _, hk, dh = c["k_cache"].shape
+    t = c["tables"].long()
+    tables = torch.where(t[:, :, None] >= 0, 4 * t[:, :, None] + torch.arange(4), -1)
+    return dict(c, k_cache=c["k_cache"].reshape(4 * nb, 4, hk, dh),
+                v_cache=c["v_cache"].reshape(4 * nb, 4, hk, dh),
+                tables=tables.reshape(len(t), -1).int())
+
+
+@pytest.mark.parametrize("lens,hq,hk,dh,window,sinks", [
+    ([1, 6, 13, 9], 4, 2, 32, None, False),
+    ([3000, 17, 2049], 8, 2, 64, None, True),          # splits of 1024 keys, a ragged last
+    ([2500, 300], 20, 2, 64, 700, True),               # 16 + 4 q heads a kv head; a window
+    ([1500], 16, 4, 128, None, False),
+    ([1100, 5], 12, 4, 96, 40, True)])                 # a window inside one tile
+def test_native_decode_attention_on_amx_tiles_matches_its_loop(lens, hq, hk, dh, window, sinks,
+                                                              threads):
+    # A bf16 step over 16-token blocks takes AMX's tiles for its scores (cpu_attention.c,
+    # decode_split); over 4-token blocks the loop. The same keys in both: the products are
+    # exact in float32 either way and only their sums' order differs, so the outputs agree
+    # but for rare last-bit ties; and against the torch path as the loop does.
+    threads(2)
+    c = attention_case(5, lens, hq=hq, hk=hk, dh=dh, bs=16)
+    step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"], c["k_norm"], 1e-6,
+                                 dh ** -0.5, window, c["sinks"] if sinks else None, False)
+    outs = []
+    for case in (c, blocks_of_4(c)):
+        kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
+        outs.append(step(case["qkv"], case["positions"], case["cos_sin"], kc, vc,
+                         case["slots"], case["tables"], case["lens"]))
+    diff = (outs[0].float() - outs[1].float()).abs()
+    assert (diff > 0).float().mean() < 0.002
+    assert diff.max() <= 2 ** -7 * outs[1].float().abs().max()
+    check_decode_step(c, True, window, sinks, False, dh ** -0.5)
+    # the same bits on any thread count (the splits follow the context, not the threads)
+    for n in (1, 3):
+        threads(n)
+        kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+        assert torch.equal(outs[0], step(c["qkv"], c["positions"], c["cos_sin"], kc, vc,
+                                         c["slots"], c["tables"], c["lens"]))
+
+
+def test_native_decode_attention_on_amx_tiles_reads_no_stale_slot(threads):
+    # A tile reads 16 keys of a block whole: slots past a context (nans here, as a freed
+    # block may hold) must not reach its softmax.
+    threads(2)
+    c = attention_case(6, [37, 1030, 5], hq=8, hk=2, dh=64, bs=16)
+    step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"], c["k_norm"], 1e-6, 0.125,
+                                 None, None, False)
+    stale = dict(c, k_cache=c["k_cache"].clone(), v_cache=c["v_cache"].clone())
+    for b, n in enumerate(c["lens"].tolist()):
+        last = int(c["tables"][b, (n - 1) // 16])
+        stale["k_cache"][last, (n - 1) % 16 + 1:] = float("nan")
+        stale["v_cache"][last, (n - 1) % 16 + 1:] = float("nan")
+    outs = [step(x["qkv"], x["positions"], x["cos_sin"], x["k_cache"].clone(),
+                 x["v_cache"].clone(), x["slots"], x["tables"], x["lens"]) for x in (c, stale)]
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
+
+
 def test_native_decode_attention_same_bits_any_threads_and_refuses_bad_tables(threads):
     c = attention_case(3, [5, 11, 2])
     step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"], c["k_norm"], 1e-6, 0.2, None,
@@ -400,7 +461,7 @@ def test_native_decode_attention_same_bits_any_threads_and_refuses_bad_tables(th
     with pytest.raises(ValueError, match="outside the cache"):
         step(*args[:7], c["lens"] + 100)                      # keys past the table
     with pytest.raises(ValueError, match="outside the cache"):
-        step(args[0], c["positions"] + 1000, *args[2:])       # past the rope table
+        step(args[0], c["positions"] + len(c["cos_sin"]), *args[2:])    # past the rope table
     with pytest.raises(ValueError, match="caches"):
         step(c["qkv"][:, :-1], *args[1:])
 

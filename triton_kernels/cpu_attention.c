@@ -22,7 +22,7 @@
  * after each op: the bits differ in the last place); scores, softmax and the value sums in
  * float32, rounded once.
  */
-#include "cpu_dot.h"
+#include "cpu_amx.h"
 
 /* p[i] in fmt, rounded to it first. */
 static inline void st(void *p, int64_t i, float f, int fmt) {
@@ -107,6 +107,160 @@ static void norm_rope(float *h, int64_t dh, const float *w, float eps, const flo
     }
 }
 
+#if FT_AMX
+/* Step 2 on AMX tiles, where the step is bf16 (q rounded to bf16 in step 1, a bf16 cache)
+ * and the cache's blocks hold whole 16-key tiles. The scalar loop above spent ~100
+ * instructions a key and kv head on its dots' horizontal sums, scalar exps and reloaded
+ * sums: a 16k-token context decoded at ~4 GB/s of K/V on a 2-core Xeon. Here a work item is
+ * one sequence, kv head, up to 16 of its q heads and up to SPLIT_KEYS keys:
+ *   scores S^T [keys, heads] = K Q^T on tiles (an A tile 16 keys x 32 dims as the cache holds
+ *     them, a B tile q's 16 dim pairs x 16 heads): bf16 x bf16 products summed in float32,
+ *     as the loop's float32 dot of the same values, in another order;
+ *   the softmax down the key rows in float32 (a vector of heads a key), partial over the
+ *     item's keys: its max m, its sum l and O = sum e^(s - m) v in float32 (v widened, 4 heads
+ *     x 64 dims of sums in registers a pass);
+ * and the items of a (sequence, kv head) are joined by their maxes, the sink's logit joining
+ * the denominator. The splits depend on the context alone, so the bits do not depend on the
+ * thread count. */
+#define SPLIT_KEYS 1024
+#define HEADS_AMX 16
+
+struct split_item {
+    int64_t b, kv, h0, nh, k0, k1;       /* its q heads h0..h0+nh-1, keys k0..k1-1 */
+    float *part;                         /* m [16], l [16], O [nh, dh] */
+};
+
+static inline __attribute__((always_inline)) void pv_pass(
+        const struct split_item *it, int gn, int dn, int64_t g0, int64_t d0, int64_t dh,
+        int64_t hk, const uint16_t *v_cache, int64_t bs, const int32_t *table, const float *sc,
+        int64_t t0, float *part) {
+    __m512 acc[4][4];
+    for (int g = 0; g < 4; g++)
+        for (int d = 0; d < 4; d++)
+            acc[g][d] = _mm512_setzero_ps();
+    for (int64_t j = it->k0; j < it->k1; j++) {
+        const uint16_t *v = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * hk + it->kv) * dh
+            + d0;
+        const float *p = sc + (j - t0) * 16 + g0;
+        __m512 vv[4];
+        for (int d = 0; d < dn; d++)
+            vv[d] = widen_bf16(_mm256_loadu_si256((const __m256i *)(v + 16 * d)));
+        for (int g = 0; g < gn; g++) {
+            const __m512 pg = _mm512_set1_ps(p[g]);
+            for (int d = 0; d < dn; d++)
+                acc[g][d] = _mm512_fmadd_ps(pg, vv[d], acc[g][d]);
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int d = 0; d < dn; d++)
+            _mm512_storeu_ps(part + 32 + (g0 + g) * dh + d0 + 16 * d, acc[g][d]);
+}
+
+static void decode_split(const struct split_item *it, const float *q_scratch, int64_t hq,
+                         int64_t hk, int64_t dh, const uint16_t *k_cache,
+                         const uint16_t *v_cache, int64_t bs, const int32_t *table,
+                         float scale, float *sc, uint16_t *qp) {
+    const int64_t dc_count = dh / 32, t0 = it->k0 & ~(int64_t)15;
+    const int64_t rows = (it->k1 - t0 + 15) / 16 * 16;
+    /* q's B tiles: [dc] 16 dim pairs x 16 heads (heads past nh zero) */
+    for (int64_t dc = 0; dc < dc_count; dc++) {
+        __m512 v[16];
+        for (int g = 0; g < 16; g++) {
+            if (g < it->nh) {
+                const float *q = q_scratch + (it->b * hq + it->h0 + g) * dh + 32 * dc;
+                v[g] = (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16),
+                                                   _mm512_loadu_ps(q));
+            } else {
+                v[g] = _mm512_setzero_ps();
+            }
+        }
+        transpose16(v);
+        for (int i = 0; i < 16; i++)
+            _mm512_store_ps((float *)(qp + dc * 512 + 32 * i), v[i]);
+    }
+    const int64_t kstride = hk * dh * 2;
+    for (int64_t j = t0; j < it->k1; j += 16) {
+        const uint16_t *k = k_cache + (((int64_t)table[j / bs] * bs + j % bs) * hk + it->kv) * dh;
+        /* Asked for ahead: the keys two tiles on (into L1) and this tile's values (into L2,
+         * for the value pass after the scores). Each tile is 16 rows of a head's slice,
+         * strided by the other heads' and scattered by the block table: the hardware's
+         * prefetch alone left a thread waiting on each: a 16k context's K/V read at 7.4 GB/s
+         * without, 10.6 with, on 2 cores; a thread still waits on its lines there). */
+        const int64_t jn = j + 32 < it->k1 ? j + 32 : -1;
+        const char *kn = jn < 0 ? NULL : (const char *)(k_cache + (((int64_t)table[jn / bs] * bs
+                                                        + jn % bs) * hk + it->kv) * dh);
+        const char *vt = (const char *)(v_cache + (k - k_cache));
+        for (int r = 0; r < 16; r++)
+            for (int64_t line = 0; line < dh * 2; line += 64) {
+                if (kn)
+                    _mm_prefetch(kn + r * kstride + line, _MM_HINT_T0);
+                _mm_prefetch(vt + r * kstride + line, _MM_HINT_T1);
+            }
+        _tile_zero(0);
+        for (int64_t dc = 0; dc < dc_count; dc++) {
+            _tile_loadd(4, k + 32 * dc, kstride);
+            _tile_loadd(6, qp + dc * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+        }
+        _tile_stored(0, sc + (j - t0) * 16, 64);
+    }
+    /* scaled (one rounding, as the loop's s * scale), keys outside [k0, k1) -inf */
+    const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 m = neg_inf;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t j = t0 + r;
+        __m512 x = _mm512_mul_ps(_mm512_load_ps(sc + 16 * r), vscale);
+        if (j < it->k0 || j >= it->k1)
+            x = neg_inf;
+        _mm512_store_ps(sc + 16 * r, x);
+        m = _mm512_max_ps(m, x);
+    }
+    __m512 l = _mm512_setzero_ps();
+    for (int64_t r = it->k0 - t0; r < it->k1 - t0; r++) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_load_ps(sc + 16 * r), m));
+        _mm512_store_ps(sc + 16 * r, p);
+        l = _mm512_add_ps(l, p);
+    }
+    float *part = it->part;
+    _mm512_storeu_ps(part, m);
+    _mm512_storeu_ps(part + 16, l);
+    /* O [nh, dh] = sum_j p_j v_j: 4 heads x 64 dims of sums in registers a pass */
+    for (int64_t g0 = 0; g0 < it->nh; g0 += 4) {
+        const int gn = it->nh - g0 < 4 ? (int)(it->nh - g0) : 4;
+        for (int64_t d0 = 0; d0 < dh; d0 += 64) {
+            const int dn = dh - d0 < 64 ? (int)((dh - d0) / 16) : 4;
+            if (gn == 4 && dn == 4)          /* (constant bounds: the sums stay in registers) */
+                pv_pass(it, 4, 4, g0, d0, dh, hk, v_cache, bs, table, sc, t0, part);
+            else
+                pv_pass(it, gn, dn, g0, d0, dh, hk, v_cache, bs, table, sc, t0, part);
+        }
+    }
+}
+
+/* A (sequence, kv head, q head chunk)'s splits joined: out = sum_s e^(m_s - M) O_s /
+ * (sum_s e^(m_s - M) l_s + e^(sink - M)), M the largest of the m_s and the sink. */
+static void decode_join(const struct split_item *its, int64_t n, int64_t dh, int64_t hq,
+                        const float *sinks, void *out, int fmt) {
+    const int64_t b = its[0].b, h0 = its[0].h0, nh = its[0].nh;
+    for (int64_t g = 0; g < nh; g++) {
+        float big = sinks ? sinks[h0 + g] : -INFINITY;
+        for (int64_t s = 0; s < n; s++)
+            big = its[s].part[g] > big ? its[s].part[g] : big;
+        float denom = sinks ? expf(sinks[h0 + g] - big) : 0.f, w[n];
+        for (int64_t s = 0; s < n; s++) {
+            w[s] = expf(its[s].part[g] - big);
+            denom += w[s] * its[s].part[16 + g];
+        }
+        for (int64_t d = 0; d < dh; d++) {
+            float o = 0.f;
+            for (int64_t s = 0; s < n; s++)
+                o += w[s] * its[s].part[32 + g * dh + d];
+            st(out, (b * hq + h0 + g) * dh + d, o / denom, fmt);
+        }
+    }
+}
+#endif
+
 int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_t hk,
                    int64_t dh, const float *q_norm, const float *k_norm, float eps,
                    const float *cos_sin, int64_t n_pos, int64_t r, int interleaved,
@@ -129,10 +283,54 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
      * read and widened once for all of them, not once a q head). */
     const int64_t group = hq / hk, chunk = group < GMAX ? group : GMAX;
     int bad = 0;
+#if FT_AMX
+    /* Step 2's work items on AMX (decode_split), where it applies: (sequence, kv head, 16
+     * q heads) groups of splits of SPLIT_KEYS keys, each group's partials joined after. */
+    const int amx = fmt == 0 && cfmt == 0 && dh % 32 == 0 && dh <= 256 && bs % 16 == 0
+        && amx_permitted();
+    const int64_t hchunks = (group + HEADS_AMX - 1) / HEADS_AMX;
+    int64_t n_items = 0, n_groups = amx ? b_count * hk * hchunks : 0;
+    for (int64_t b = 0; amx && b < b_count; b++) {
+        const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+        n_items += hk * hchunks * ((lens[b] - (first & ~(int64_t)15) + SPLIT_KEYS - 1) / SPLIT_KEYS);
+    }
+    struct split_item *items = amx ? malloc((n_items + 1) * sizeof *items) : NULL;
+    int64_t *group_at = amx ? malloc((n_groups + 1) * sizeof *group_at) : NULL;
+    float *parts = amx ? malloc((n_items + 1) * (32 + HEADS_AMX * dh) * sizeof *parts) : NULL;
+    if (amx && (!items || !group_at || !parts)) {
+        free(items), free(group_at), free(parts);
+        return -1;
+    }
+    for (int64_t b = 0, i = 0, gi = 0; amx && b < b_count; b++) {
+        const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+        const int64_t base = first & ~(int64_t)15;
+        for (int64_t kv = 0; kv < hk; kv++)
+            for (int64_t hc = 0; hc < hchunks; hc++) {
+                const int64_t h0 = kv * group + hc * HEADS_AMX;
+                const int64_t nh = group - hc * HEADS_AMX < HEADS_AMX ? group - hc * HEADS_AMX
+                                                                      : HEADS_AMX;
+                group_at[gi++] = i;
+                for (int64_t k0 = base; k0 < lens[b]; k0 += SPLIT_KEYS, i++)
+                    items[i] = (struct split_item){
+                        b, kv, h0, nh, k0 > first ? k0 : first,
+                        k0 + SPLIT_KEYS < lens[b] ? k0 + SPLIT_KEYS : lens[b],
+                        parts + i * (32 + HEADS_AMX * dh)};
+            }
+    }
+    if (amx)
+        group_at[n_groups] = n_items;
+#else
+    const int amx = 0;
+#endif
 #pragma omp parallel num_threads(threads)
     {
-        float *h = malloc(chunk * dh * sizeof *h);
+        float *h = malloc(chunk * dh * sizeof *h);             /* (step 1's too) */
+#if FT_AMX
+        float *scores = amx ? aligned_alloc(64, ((SPLIT_KEYS + 32) * 16 + (dh / 32) * 512) * 4)
+                            : malloc(chunk * longest * sizeof *scores);
+#else
         float *scores = malloc(chunk * longest * sizeof *scores);
+#endif
         if (!h || !scores)
             __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
 #pragma omp barrier
@@ -163,7 +361,23 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
             }                               /* (the for's implicit barrier) */
             /* 2. Per (sequence, kv head, chunk of its q heads): softmax(q.k * scale) . v over
              *    the keys (the window's), a sink's logit joining the softmax without a value. */
-            const int64_t chunks = (group + chunk - 1) / chunk;
+            const int64_t chunks = amx ? 0 : (group + chunk - 1) / chunk;
+#if FT_AMX
+            if (amx) {
+                load_tiles();
+                uint16_t *qp = (uint16_t *)(scores + (SPLIT_KEYS + 32) * 16);
+#pragma omp for schedule(dynamic)
+                for (int64_t i = 0; i < n_items; i++)
+                    decode_split(&items[i], q_scratch, hq, hk, dh, (const uint16_t *)k_cache,
+                                 (const uint16_t *)v_cache, bs,
+                                 tables + items[i].b * max_blocks, scale, scores, qp);
+#pragma omp for schedule(static)
+                for (int64_t gi = 0; gi < n_groups; gi++)
+                    decode_join(&items[group_at[gi]], group_at[gi + 1] - group_at[gi], dh, hq,
+                                sinks, out, fmt);
+                _tile_release();
+            }
+#endif
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < b_count * hk * chunks; item++) {
                 int64_t b = item / (hk * chunks), kv = item / chunks % hk;
@@ -205,5 +419,8 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
         free(h);
         free(scores);
     }
+#if FT_AMX
+    free(items), free(group_at), free(parts);
+#endif
     return bad ? -1 : 0;
 }
