@@ -8,11 +8,13 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py --quant fp8,nvfp4,int4 --llama-quant q8_0   # + quantized arms
     python bench/cpu.py --unpacked                        # + FreeToken without CPU packing
     python bench/cpu.py --eager                           # + FreeToken without its decode program
+    python bench/cpu.py --depth 16384                     # + batch 1 after a 16k-token prompt
 
 The checkpoint (tools/make_tiny_model.py's generator, random weights: hidden 1024, 12 layers,
 16/4 heads of 64, 64 experts, top-8, expert width 256, vocab 32768) is built on the spot.
 Decode is measured apart from prefill (a run of 1 + N tokens minus a run of 1, 64-token
-prompts) at batch 1, 8 and 16; prefill as one 512-token prompt. The machine is shared (the
+prompts) at batch 1, 8 and 16 (and with --depth N at batch 1 after an N-token prompt, where
+the context's keys and values are read every step); prefill as one 512-token prompt. The machine is shared (the
 runs are noisy), so FreeToken, transformers and the DRAM probe (a float32 matrix-vector
 product over a matrix far above the L3, with the same threads) run interleaved, --rounds
 times; printed per figure: the median, and the ratios with their spread over rounds.
@@ -76,13 +78,14 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 class FreeTokenArm:
-    def __init__(self, model_dir, dtype, vocab, name="freetoken", **kw):
+    def __init__(self, model_dir, dtype, vocab, name="freetoken", depth=0, **kw):
         from freetoken import LLM, SamplingParams
         self.name = name
         self.sp = SamplingParams
         self.vocab = vocab
+        longest = max(PREFILL, depth) + 64
         self.llm = LLM(str(model_dir), device="cpu", dtype=dtype, skip_tokenizer_init=True,
-                       max_model_len=PREFILL + 64, kv_cache_tokens=16 * (PROMPT + 64) + PREFILL + 64,
+                       max_model_len=longest, kv_cache_tokens=16 * (PROMPT + 64) + longest,
                        max_prefill_length=PREFILL * 16, max_running_requests=16,
                        enable_prefix_caching=False, **kw)
 
@@ -99,6 +102,12 @@ class FreeTokenArm:
     def prefill(self):
         prompt = _prompts(1, PREFILL, self.vocab)
         return PREFILL / min(self._gen(prompt, 1) for _ in range(2))
+
+    def decode_at(self, depth, tokens):
+        """Batch-1 decode after a prompt of `depth` tokens (each run prefills it again)."""
+        prompt = _prompts(1, depth, self.vocab)
+        return _rate(tokens, min(self._gen(prompt, 1) for _ in range(2)),
+                     self._gen(prompt, 1 + tokens))
 
 
 class TransformersArm:
@@ -127,8 +136,12 @@ class TransformersArm:
         self.model(ids)
         return PREFILL / min(_seconds(lambda: self.model(ids)) for _ in range(2))
 
+    def decode_at(self, depth, tokens):
+        ids = torch.tensor(_prompts(1, depth, self.vocab))
+        return _rate(tokens, min(self._gen(ids, 1) for _ in range(2)), self._gen(ids, 1 + tokens))
 
-def unpacked_arm(model_dir, dtype, vocab, name="freetoken-unpacked") -> FreeTokenArm:
+
+def unpacked_arm(model_dir, dtype, vocab, name="freetoken-unpacked", depth=0) -> FreeTokenArm:
     """The same engine with the model runner's CPU packing skipped: every projection and
     expert is the loaded 16-bit tensor alone (torch's bf16 products, not the fp16-weight
     GEMM), INT4 weights and experts are decoded a tile at a time (dequant_cpu.py) rather than
@@ -139,7 +152,7 @@ def unpacked_arm(model_dir, dtype, vocab, name="freetoken-unpacked") -> FreeToke
     model_runner.pack_for_cpu = lambda model: 0
     ExpertBank.pack_cpu = lambda self, *args, **kwargs: 0
     try:
-        return FreeTokenArm(model_dir, dtype, vocab, name=name)
+        return FreeTokenArm(model_dir, dtype, vocab, name=name, depth=depth)
     finally:
         model_runner.pack_for_cpu, ExpertBank.pack_cpu = pack, pack_experts
 
@@ -190,12 +203,16 @@ def requantize(bench: Path, gguf: Path, qtype: str, out: Path, threads: int) -> 
     return out
 
 
-def llama_cpp(bench: Path, gguf: Path, threads: int, tokens: int, rounds: int) -> dict:
+def llama_cpp(bench: Path, gguf: Path, threads: int, tokens: int, rounds: int,
+              depth: int = 0) -> dict:
     base = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", str(rounds), "-o", "json",
             "--repack", "0"]     # the AMX q8_0 repack dies with SIGILL in some VMs
     out = {}
-    for key, flags in (("decode_b1", ["-p", "0", "-n", str(tokens)]),
-                       ("prefill", ["-p", str(PREFILL), "-n", "0"])):
+    runs = [("decode_b1", ["-p", "0", "-n", str(tokens)]),
+            ("prefill", ["-p", str(PREFILL), "-n", "0"])]
+    if depth:                    # its -d fills the context first, untimed
+        runs.append((f"decode_b1_d{depth}", ["-p", "0", "-n", str(tokens), "-d", str(depth)]))
+    for key, flags in runs:
         rows = json.loads(subprocess.run(base + flags, check=True, capture_output=True,
                                          text=True).stdout)
         out[key] = [float(s) for s in rows[0]["samples_ts"]]
@@ -276,6 +293,9 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="add FreeToken arms with enforce_eager "
                    "(the modules at every decode step, not the native decode program): one "
                    "beside each arm")
+    p.add_argument("--depth", type=int, default=0, help="also decode at batch 1 after a prompt "
+                   "of this many tokens (decode_b1_dN: a long context's attention; each "
+                   "FreeToken and transformers run prefills it again)")
     p.add_argument("--workdir", help="where to write the model (default: a temp folder)")
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
@@ -296,13 +316,13 @@ def main(argv=None) -> int:
         report.update(active_bytes_per_token=active, weight_bytes=total)
         actives = {"freetoken": active}
         totals = {"freetoken": total}
-        arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"])]
+        arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"], depth=args.depth)]
         if args.unpacked:
-            arms.append(unpacked_arm(model_dir, args.dtype, shape["vocab_size"]))
+            arms.append(unpacked_arm(model_dir, args.dtype, shape["vocab_size"], depth=args.depth))
             actives["freetoken-unpacked"] = active
         if args.eager:
             arms.append(FreeTokenArm(model_dir, args.dtype, shape["vocab_size"],
-                                     name="freetoken-eager", enforce_eager=True))
+                                     name="freetoken-eager", enforce_eager=True, depth=args.depth))
             actives["freetoken-eager"] = active
         for q in quants:
             from freetoken.models.quant.encode import quantize_checkpoint
@@ -311,26 +331,32 @@ def main(argv=None) -> int:
             quantize_checkpoint(qdir, q)
             actives[f"freetoken-{q}"], totals[f"freetoken-{q}"] = active_bytes_per_token(
                 qdir, args.dtype)
-            arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"], name=f"freetoken-{q}"))
+            arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"], name=f"freetoken-{q}",
+                                     depth=args.depth))
             if args.unpacked:
                 arms.append(unpacked_arm(qdir, args.dtype, shape["vocab_size"],
-                                         name=f"freetoken-{q}-unpacked"))
+                                         name=f"freetoken-{q}-unpacked", depth=args.depth))
                 actives[f"freetoken-{q}-unpacked"] = actives[f"freetoken-{q}"]
             if args.eager:
                 arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"],
-                                         name=f"freetoken-{q}-eager", enforce_eager=True))
+                                         name=f"freetoken-{q}-eager", enforce_eager=True,
+                                         depth=args.depth))
                 actives[f"freetoken-{q}-eager"] = actives[f"freetoken-{q}"]
         if not args.skip_transformers:
             arms.append(TransformersArm(model_dir, args.dtype, shape["vocab_size"]))
         figures = [f"decode_b{b}" for b in BATCHES] + ["prefill"]
+        if args.depth:
+            figures.append(f"decode_b1_d{args.depth}")
         res = {a.name: {f: [] for f in figures} for a in arms}
         dram = []
         for _ in range(args.rounds):           # interleaved: each round runs every arm once
             dram.append(host_read_gbps(args.threads, args.dram_gib))
             for f in figures:
                 for a in arms:
-                    res[a.name][f].append(a.prefill() if f == "prefill"
-                                          else a.decode(int(f[8:]), tokens))
+                    res[a.name][f].append(
+                        a.prefill() if f == "prefill"
+                        else a.decode_at(args.depth, tokens) if "_d" in f
+                        else a.decode(int(f[8:]), tokens))
                     print(f"  {a.name} {f}: {res[a.name][f][-1]:.3g} tok/s", file=sys.stderr,
                           flush=True)
         dram.append(host_read_gbps(args.threads, args.dram_gib))
@@ -349,7 +375,7 @@ def main(argv=None) -> int:
                                                 args.threads)
                 try:
                     res[name] = llama_cpp(args.llama_bench, ggufs[outtype], args.threads,
-                                          tokens, args.rounds)
+                                          tokens, args.rounds, args.depth)
                 except subprocess.CalledProcessError as exc:   # one arm lost, not the run
                     print(f"{name}: {exc} {(exc.stderr or '')[-300:]}", file=sys.stderr)
     report.update(active_bytes_per_arm=actives)

@@ -111,18 +111,20 @@ static void norm_rope(float *h, int64_t dh, const float *w, float eps, const flo
 /* Step 2 on AMX tiles, where the step is bf16 (q rounded to bf16 in step 1, a bf16 cache)
  * and the cache's blocks hold whole 16-key tiles. The scalar loop above spent ~100
  * instructions a key and kv head on its dots' horizontal sums, scalar exps and reloaded
- * sums: a 16k-token context decoded at ~4 GB/s of K/V on a 2-core Xeon. Here a work item is
- * one sequence, kv head, up to 16 of its q heads and up to SPLIT_KEYS keys:
+ * sums: a 16k-token context decoded at ~4 GB/s of K/V on a 2-core Xeon. Here a unit is one
+ * sequence, kv head, up to 16 of its q heads and up to SPLIT_KEYS keys:
  *   scores S^T [keys, heads] = K Q^T on tiles (an A tile 16 keys x 32 dims as the cache holds
  *     them, a B tile q's 16 dim pairs x 16 heads): bf16 x bf16 products summed in float32,
  *     as the loop's float32 dot of the same values, in another order;
  *   the softmax down the key rows in float32 (a vector of heads a key), partial over the
- *     item's keys: its max m, its sum l and O = sum e^(s - m) v in float32 (v widened, 4 heads
+ *     unit's keys: its max m, its sum l and O = sum e^(s - m) v in float32 (v widened, 4 heads
  *     x 64 dims of sums in registers a pass);
- * and the items of a (sequence, kv head) are joined by their maxes, the sink's logit joining
- * the denominator. The splits depend on the context alone, so the bits do not depend on the
- * thread count. */
-#define SPLIT_KEYS 1024
+ * and a (sequence, kv head, q heads)'s units are joined by their maxes, the sink's logit
+ * joining the denominator. A work item is a split's units of a run of kv heads (all of them
+ * where there are splits enough for the threads), tile by tile: the 16 keys' slots are read
+ * whole and in order, not a head's slice at a time. The splits depend on the context alone,
+ * so the bits do not depend on the thread count. */
+#define SPLIT_KEYS 512
 #define HEADS_AMX 16
 
 struct split_item {
@@ -156,14 +158,10 @@ static inline __attribute__((always_inline)) void pv_pass(
             _mm512_storeu_ps(part + 32 + (g0 + g) * dh + d0 + 16 * d, acc[g][d]);
 }
 
-static void decode_split(const struct split_item *it, const float *q_scratch, int64_t hq,
-                         int64_t hk, int64_t dh, const uint16_t *k_cache,
-                         const uint16_t *v_cache, int64_t bs, const int32_t *table,
-                         float scale, float *sc, uint16_t *qp) {
-    const int64_t dc_count = dh / 32, t0 = it->k0 & ~(int64_t)15;
-    const int64_t rows = (it->k1 - t0 + 15) / 16 * 16;
-    /* q's B tiles: [dc] 16 dim pairs x 16 heads (heads past nh zero) */
-    for (int64_t dc = 0; dc < dc_count; dc++) {
+/* q's B tiles for a unit: [dc] 16 dim pairs x 16 heads (heads past nh zero). */
+static void pack_q(const struct split_item *it, const float *q_scratch, int64_t hq, int64_t dh,
+                   uint16_t *qp) {
+    for (int64_t dc = 0; dc < dh / 32; dc++) {
         __m512 v[16];
         for (int g = 0; g < 16; g++) {
             if (g < it->nh) {
@@ -178,32 +176,13 @@ static void decode_split(const struct split_item *it, const float *q_scratch, in
         for (int i = 0; i < 16; i++)
             _mm512_store_ps((float *)(qp + dc * 512 + 32 * i), v[i]);
     }
-    const int64_t kstride = hk * dh * 2;
-    for (int64_t j = t0; j < it->k1; j += 16) {
-        const uint16_t *k = k_cache + (((int64_t)table[j / bs] * bs + j % bs) * hk + it->kv) * dh;
-        /* Asked for ahead: the keys two tiles on (into L1) and this tile's values (into L2,
-         * for the value pass after the scores). Each tile is 16 rows of a head's slice,
-         * strided by the other heads' and scattered by the block table: the hardware's
-         * prefetch alone left a thread waiting on each: a 16k context's K/V read at 7.4 GB/s
-         * without, 10.6 with, on 2 cores; a thread still waits on its lines there). */
-        const int64_t jn = j + 32 < it->k1 ? j + 32 : -1;
-        const char *kn = jn < 0 ? NULL : (const char *)(k_cache + (((int64_t)table[jn / bs] * bs
-                                                        + jn % bs) * hk + it->kv) * dh);
-        const char *vt = (const char *)(v_cache + (k - k_cache));
-        for (int r = 0; r < 16; r++)
-            for (int64_t line = 0; line < dh * 2; line += 64) {
-                if (kn)
-                    _mm_prefetch(kn + r * kstride + line, _MM_HINT_T0);
-                _mm_prefetch(vt + r * kstride + line, _MM_HINT_T1);
-            }
-        _tile_zero(0);
-        for (int64_t dc = 0; dc < dc_count; dc++) {
-            _tile_loadd(4, k + 32 * dc, kstride);
-            _tile_loadd(6, qp + dc * 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-        }
-        _tile_stored(0, sc + (j - t0) * 16, 64);
-    }
+}
+
+/* A unit's softmax and value sums, its scores sc [keys from t0, 16] in place. */
+static void finish_unit(const struct split_item *it, int64_t dh, int64_t hk,
+                        const uint16_t *v_cache, int64_t bs, const int32_t *table, float scale,
+                        float *sc) {
+    const int64_t t0 = it->k0 & ~(int64_t)15, rows = (it->k1 - t0 + 15) / 16 * 16;
     /* scaled (one rounding, as the loop's s * scale), keys outside [k0, k1) -inf */
     const __m512 vscale = _mm512_set1_ps(scale), neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 m = neg_inf;
@@ -237,24 +216,67 @@ static void decode_split(const struct split_item *it, const float *q_scratch, in
     }
 }
 
-/* A (sequence, kv head, q head chunk)'s splits joined: out = sum_s e^(m_s - M) O_s /
- * (sum_s e^(m_s - M) l_s + e^(sink - M)), M the largest of the m_s and the sink. */
-static void decode_join(const struct split_item *its, int64_t n, int64_t dh, int64_t hq,
-                        const float *sinks, void *out, int fmt) {
+/* A work item: units its[0..n) of one sequence and split (the same keys), kv heads in order
+ * with their q head chunks; sc holds n units' scores, qp their q tiles. */
+static void decode_units(const struct split_item *its, int64_t n, const float *q_scratch,
+                         int64_t hq, int64_t hk, int64_t dh, const uint16_t *k_cache,
+                         const uint16_t *v_cache, int64_t bs, const int32_t *table, float scale,
+                         float *sc, uint16_t *qp) {
+    const int64_t dc_count = dh / 32, k0 = its[0].k0, k1 = its[0].k1, t0 = k0 & ~(int64_t)15;
+    const int64_t sc_floats = (SPLIT_KEYS + 32) * 16, kstride = hk * dh * 2;
+    const int64_t kv0 = its[0].kv, kv1 = its[n - 1].kv + 1;
+    for (int64_t u = 0; u < n; u++)
+        pack_q(&its[u], q_scratch, hq, dh, qp + u * dc_count * 512);
+    for (int64_t j = t0; j < k1; j += 16) {
+        const int64_t slot = (int64_t)table[j / bs] * bs + j % bs;
+        /* Asked for ahead: the keys two tiles on (into L1) and this tile's values (into L2,
+         * for the value passes after the scores), the item's heads' lines of 16 slots. A
+         * head's slice of a tile is 16 rows strided by the other heads', scattered by the
+         * block table: the hardware's prefetch alone left a thread waiting on each. */
+        const int64_t jn = j + 32 < k1 ? j + 32 : -1;
+        const int64_t next = jn < 0 ? -1 : (int64_t)table[jn / bs] * bs + jn % bs;
+        for (int r = 0; r < 16; r++)
+            for (int64_t line = kv0 * dh * 2; line < kv1 * dh * 2; line += 64) {
+                if (next >= 0)
+                    _mm_prefetch((const char *)k_cache + (next + r) * kstride + line,
+                                 _MM_HINT_T0);
+                _mm_prefetch((const char *)v_cache + (slot + r) * kstride + line, _MM_HINT_T1);
+            }
+        for (int64_t u = 0; u < n; u++) {
+            const uint16_t *k = k_cache + (slot * hk + its[u].kv) * dh;
+            const uint16_t *q = qp + u * dc_count * 512;
+            _tile_zero(0);
+            for (int64_t dc = 0; dc < dc_count; dc++) {
+                _tile_loadd(4, k + 32 * dc, kstride);
+                _tile_loadd(6, q + dc * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+            }
+            _tile_stored(0, sc + u * sc_floats + (j - t0) * 16, 64);
+        }
+    }
+    for (int64_t u = 0; u < n; u++)
+        finish_unit(&its[u], dh, hk, v_cache, bs, table, scale, sc + u * sc_floats);
+}
+
+/* A (sequence, kv head, q head chunk)'s units (n, `stride` apart) joined: out = sum_s
+ * e^(m_s - M) O_s / (sum_s e^(m_s - M) l_s + e^(sink - M)), M the largest of the m_s and
+ * the sink. */
+static void decode_join(const struct split_item *its, int64_t n, int64_t stride, int64_t dh,
+                        int64_t hq, const float *sinks, void *out, int fmt) {
     const int64_t b = its[0].b, h0 = its[0].h0, nh = its[0].nh;
     for (int64_t g = 0; g < nh; g++) {
         float big = sinks ? sinks[h0 + g] : -INFINITY;
         for (int64_t s = 0; s < n; s++)
-            big = its[s].part[g] > big ? its[s].part[g] : big;
+            big = its[s * stride].part[g] > big ? its[s * stride].part[g] : big;
         float denom = sinks ? expf(sinks[h0 + g] - big) : 0.f, w[n];
         for (int64_t s = 0; s < n; s++) {
-            w[s] = expf(its[s].part[g] - big);
-            denom += w[s] * its[s].part[16 + g];
+            w[s] = expf(its[s * stride].part[g] - big);
+            denom += w[s] * its[s * stride].part[16 + g];
         }
         for (int64_t d = 0; d < dh; d++) {
             float o = 0.f;
             for (int64_t s = 0; s < n; s++)
-                o += w[s] * its[s].part[32 + g * dh + d];
+                o += w[s] * its[s * stride].part[32 + g * dh + d];
             st(out, (b * hq + h0 + g) * dh + d, o / denom, fmt);
         }
     }
@@ -284,41 +306,41 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     const int64_t group = hq / hk, chunk = group < GMAX ? group : GMAX;
     int bad = 0;
 #if FT_AMX
-    /* Step 2's work items on AMX (decode_split), where it applies: (sequence, kv head, 16
-     * q heads) groups of splits of SPLIT_KEYS keys, each group's partials joined after. */
+    /* Step 2 on AMX (decode_units), where it applies. Units in (sequence, split, kv head,
+     * q head chunk) order; work items a split's units of `per` kv heads; each (sequence,
+     * kv head, chunk)'s units joined after, splits_b of them, `per_split` apart. */
     const int amx = fmt == 0 && cfmt == 0 && dh % 32 == 0 && dh <= 256 && bs % 16 == 0
         && amx_permitted();
-    const int64_t hchunks = (group + HEADS_AMX - 1) / HEADS_AMX;
-    int64_t n_items = 0, n_groups = amx ? b_count * hk * hchunks : 0;
+    const int64_t hchunks = (group + HEADS_AMX - 1) / HEADS_AMX, per_split = hk * hchunks;
+    int64_t n_units = 0, n_splits = 0;
     for (int64_t b = 0; amx && b < b_count; b++) {
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        n_items += hk * hchunks * ((lens[b] - (first & ~(int64_t)15) + SPLIT_KEYS - 1) / SPLIT_KEYS);
+        n_splits += (lens[b] - (first & ~(int64_t)15) + SPLIT_KEYS - 1) / SPLIT_KEYS;
     }
-    struct split_item *items = amx ? malloc((n_items + 1) * sizeof *items) : NULL;
-    int64_t *group_at = amx ? malloc((n_groups + 1) * sizeof *group_at) : NULL;
-    float *parts = amx ? malloc((n_items + 1) * (32 + HEADS_AMX * dh) * sizeof *parts) : NULL;
-    if (amx && (!items || !group_at || !parts)) {
-        free(items), free(group_at), free(parts);
+    n_units = n_splits * per_split;
+    const int64_t per = n_splits >= threads ? hk : 1;       /* kv heads a work item */
+    struct split_item *items = amx ? malloc((n_units + 1) * sizeof *items) : NULL;
+    int64_t *split_at = amx ? malloc((b_count + 1) * sizeof *split_at) : NULL;
+    float *parts = amx ? malloc((n_units + 1) * (32 + HEADS_AMX * dh) * sizeof *parts) : NULL;
+    if (amx && (!items || !split_at || !parts)) {
+        free(items), free(split_at), free(parts);
         return -1;
     }
-    for (int64_t b = 0, i = 0, gi = 0; amx && b < b_count; b++) {
+    for (int64_t b = 0, i = 0, sp = 0; amx && b < b_count; b++) {
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        const int64_t base = first & ~(int64_t)15;
-        for (int64_t kv = 0; kv < hk; kv++)
-            for (int64_t hc = 0; hc < hchunks; hc++) {
-                const int64_t h0 = kv * group + hc * HEADS_AMX;
-                const int64_t nh = group - hc * HEADS_AMX < HEADS_AMX ? group - hc * HEADS_AMX
-                                                                      : HEADS_AMX;
-                group_at[gi++] = i;
-                for (int64_t k0 = base; k0 < lens[b]; k0 += SPLIT_KEYS, i++)
+        split_at[b] = sp;
+        for (int64_t k0 = first & ~(int64_t)15; k0 < lens[b]; k0 += SPLIT_KEYS, sp++)
+            for (int64_t kv = 0; kv < hk; kv++)
+                for (int64_t hc = 0; hc < hchunks; hc++, i++)
                     items[i] = (struct split_item){
-                        b, kv, h0, nh, k0 > first ? k0 : first,
+                        b, kv, kv * group + hc * HEADS_AMX,
+                        group - hc * HEADS_AMX < HEADS_AMX ? group - hc * HEADS_AMX : HEADS_AMX,
+                        k0 > first ? k0 : first,
                         k0 + SPLIT_KEYS < lens[b] ? k0 + SPLIT_KEYS : lens[b],
                         parts + i * (32 + HEADS_AMX * dh)};
-            }
+        split_at[b + 1] = sp;
     }
-    if (amx)
-        group_at[n_groups] = n_items;
+    const int64_t sc_bytes = per * hchunks * ((SPLIT_KEYS + 32) * 16 + (dh / 32) * 512) * 4;
 #else
     const int amx = 0;
 #endif
@@ -326,8 +348,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     {
         float *h = malloc(chunk * dh * sizeof *h);             /* (step 1's too) */
 #if FT_AMX
-        float *scores = amx ? aligned_alloc(64, ((SPLIT_KEYS + 32) * 16 + (dh / 32) * 512) * 4)
-                            : malloc(chunk * longest * sizeof *scores);
+        float *scores = amx ? aligned_alloc(64, sc_bytes) : malloc(chunk * longest * sizeof *scores);
 #else
         float *scores = malloc(chunk * longest * sizeof *scores);
 #endif
@@ -365,16 +386,21 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
 #if FT_AMX
             if (amx) {
                 load_tiles();
-                uint16_t *qp = (uint16_t *)(scores + (SPLIT_KEYS + 32) * 16);
+                uint16_t *qp = (uint16_t *)(scores + per * hchunks * (SPLIT_KEYS + 32) * 16);
+                const int64_t per_item = per * hchunks, blocks = hk / per;
 #pragma omp for schedule(dynamic)
-                for (int64_t i = 0; i < n_items; i++)
-                    decode_split(&items[i], q_scratch, hq, hk, dh, (const uint16_t *)k_cache,
-                                 (const uint16_t *)v_cache, bs,
-                                 tables + items[i].b * max_blocks, scale, scores, qp);
+                for (int64_t w = 0; w < n_splits * blocks; w++) {
+                    const struct split_item *its = items + w * per_item;
+                    decode_units(its, per_item, q_scratch, hq, hk, dh,
+                                 (const uint16_t *)k_cache, (const uint16_t *)v_cache, bs,
+                                 tables + its->b * max_blocks, scale, scores, qp);
+                }
 #pragma omp for schedule(static)
-                for (int64_t gi = 0; gi < n_groups; gi++)
-                    decode_join(&items[group_at[gi]], group_at[gi + 1] - group_at[gi], dh, hq,
+                for (int64_t g = 0; g < b_count * per_split; g++) {
+                    const int64_t b = g / per_split, first = split_at[b] * per_split + g % per_split;
+                    decode_join(items + first, split_at[b + 1] - split_at[b], per_split, dh, hq,
                                 sinks, out, fmt);
+                }
                 _tile_release();
             }
 #endif
@@ -420,7 +446,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
         free(scores);
     }
 #if FT_AMX
-    free(items), free(group_at), free(parts);
+    free(items), free(split_at), free(parts);
 #endif
     return bad ? -1 : 0;
 }
