@@ -103,6 +103,8 @@ SHAPES = [
     (((600, 200),), dict(bs=32), 128, False),                   # a window, keys dropped before
     (((600, 200), (40, 1)), dict(), 100, True),                 # a window and sinks
     (((250, 250), (90, 1)), dict(hq=8, hk=2), None, True),      # sinks
+    (((150, 150), (80, 20)), dict(hq=4, hk=2), 1, False),       # a window of one key
+    (((300, 100),), dict(hq=8, hk=2, dk=32, dv=32), 20, True),  # a window inside a tile
 ]
 
 
@@ -141,7 +143,7 @@ def test_same_bits_on_any_thread_count_and_in_groups_of_sequences():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    # value copies a pair or two at a time (the room for one 32-key chunk only)
+    # value copies made a pair at a time (room for less than one pair's: each alone)
     assert torch.equal(outs[0], attention(c, pack_bytes=1024))
 
 
@@ -156,6 +158,20 @@ def test_declines_what_it_does_not_take(change):
     if change == "float32 cache":
         c.update(k=c["k"].float(), v=c["v"].float())
     assert attention(c) is None
+
+
+def test_sequences_without_new_tokens_and_int64_lengths():
+    # a batch row with no new token (nothing to compute) beside a chunk and a decode row
+    c = case(((60, 20), (30, 1)))
+    want = attention(c)
+    padded = dict(c, tables=torch.cat([c["tables"][:1], c["tables"][:1], c["tables"][1:]]),
+                  cu=torch.tensor([0, 20, 20, 21], dtype=torch.int32),
+                  lens=torch.tensor([60, 60, 30]))                      # int64 lengths
+    assert torch.equal(attention(padded), want)
+    # only empty and single-token sequences: a decode step's rows, the reference's bits
+    only = dict(c, q=c["q"][20:], cu=torch.tensor([0, 0, 1], dtype=torch.int32))
+    got = attention(only)
+    assert got is not None and torch.equal(got, reference(only))
 
 
 def test_offsets_past_q_are_refused_and_table_rows_past_the_batch_unread():
@@ -174,8 +190,8 @@ def test_a_table_naming_a_block_outside_the_cache_is_refused():
 
 
 def test_decode_rows_keep_the_decode_path():
-    # a step's decode rows: the bits of the reference's decode batch (float32 probabilities),
-    # as in a pure decode step, which is not taken at all
+    # a step's decode rows: the bits of the reference's decode batch (float32
+    # probabilities); a pure decode step is not taken at all
     c = case(((100, 37), (1, 1), (300, 1), (70, 70)))
     got, want = attention(c), reference(c)
     assert torch.equal(got[[37, 38]], want[[37, 38]])

@@ -393,17 +393,23 @@ def blocks_of_4(c):
 
 @pytest.mark.parametrize("lens,hq,hk,dh,window,sinks", [
     ([1, 6, 13, 9], 4, 2, 32, None, False),
-    ([3000, 17, 2049], 8, 2, 64, None, True),          # splits of 1024 keys, a ragged last
-    ([2500, 300], 20, 2, 64, 700, True),               # 16 + 4 q heads a kv head; a window
+    ([3000, 17, 2049], 8, 2, 64, None, True),          # splits of 512 keys, a ragged last
+    ([2500, 300], 20, 2, 64, 700, True),               # 10 q heads a kv head; a window
+    ([1300, 2], 40, 2, 64, 300, True),                 # 16 + 4 q heads a kv head
     ([1500], 16, 4, 128, None, False),
     ([1100, 5], 12, 4, 96, 40, True)])                 # a window inside one tile
 def test_native_decode_attention_on_amx_tiles_matches_its_loop(lens, hq, hk, dh, window, sinks,
                                                               threads):
     # A bf16 step over 16-token blocks takes AMX's tiles for its scores (cpu_attention.c,
-    # decode_split); over 4-token blocks the loop. The same keys in both: the products are
+    # decode_units) where this CPU has them; over 4-token blocks the loop. The same keys in both: the products are
     # exact in float32 either way and only their sums' order differs, so the outputs agree
     # but for rare last-bit ties; and against the torch path as the loop does.
     threads(2)
+    # (the tiles where the AMX kernels run at all; 4-token blocks never)
+    assert kernel.attn_decode_tiles(torch.bfloat16, torch.bfloat16, dh, 16) \
+        == amx_kernel_runs(kernel)
+    assert not kernel.attn_decode_tiles(torch.bfloat16, torch.bfloat16, dh, 4)
+    assert not kernel.attn_decode_tiles(torch.float16, torch.float16, dh, 16)
     c = attention_case(5, lens, hq=hq, hk=hk, dh=dh, bs=16)
     step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"], c["k_norm"], 1e-6,
                                  dh ** -0.5, window, c["sinks"] if sinks else None, False)

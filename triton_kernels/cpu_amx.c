@@ -52,6 +52,7 @@ int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int6
 }
 
 #if FT_AMX
+/* Tiles 0-3 C, 4-5 A (weights: 16 rows x 32 bf16), 6-7 B (16 pairs x 16 tokens x 2 bf16). */
 #define KC_BLOCKS 8              /* column blocks of a K chunk (256 columns) */
 #define TILE 512                    /* bf16 elements of a B tile: 16 pairs x 16 tokens x 2 */
 

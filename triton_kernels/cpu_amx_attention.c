@@ -78,8 +78,8 @@ int64_t ft_attn_amx_scratch(const int32_t *cu, const int32_t *lens, int64_t b_co
 
 #if FT_AMX
 
-/* 2^x for x <= 0, ~1e-7 relative (a degree-5 polynomial on x - round(x), as Cephes' exp2f);
- * x below -127 (-inf too) gives 2^-127, which the bf16 conversion takes for zero. */
+/* 2^x, ~1e-7 relative (a degree-5 polynomial on x - round(x), as Cephes' exp2f); x below
+ * -127 (-inf too) gives 2^-127, which the bf16 conversion takes for zero; from 128 inf. */
 static inline __m512 exp2_16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -1,8 +1,8 @@
 """A CPU engine step's attention over the paged KV cache on AMX tiles (cpu_amx_attention.c,
 ft_attn_amx): its prefill chunks, over a cached prefix or none. A step's decode rows (one new
-token) keep the decode path, here and in pure decode steps (cpu_attention.py's native step,
-or the reference's): float32 probabilities, the same whether or not another sequence is
-prefilling beside them.
+token) keep the reference's decode batch (float32 probabilities), as before; a pure decode
+step is not taken at all (the layer's native decode step, cpu_attention.py, or the
+reference).
 
 Its reference is paged_attention_reference (torch's CPU flash attention on the gathered
 keys), to a bf16 step or two: scores and the online softmax in float32, the probabilities
@@ -34,6 +34,7 @@ class CpuPrefillAttention:
                  window: int | None, sinks: torch.Tensor | None, pack_bytes: int = PACK_BYTES):
         self.kernel, (self.hq, self.hk), self.scale = kernel, heads, scale
         self.pack_bytes = pack_bytes
+        self.declined = False           # the kernel said this build or CPU has no AMX
         self.window = window or 0
         self.sinks = None if sinks is None else sinks.detach().float().contiguous()
 
@@ -43,7 +44,8 @@ class CpuPrefillAttention:
         """q [T, Hq, Dk] after RoPE, caches [NB, BS, Hk, D] holding this step's keys,
         block_tables [B, M], cu_seqlens_q [B+1], seq_lens [B] (paged_attention's meaning)
         -> [T, Hq, Dv] in q's dtype, or None where the kernel does not take these."""
-        if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.dim() == 3
+        if self.declined or not (
+                q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and q.dim() == 3
                 and k_cache.dim() == v_cache.dim() == 4 and q.shape[1] == self.hq
                 and k_cache.shape[2] == v_cache.shape[2] == self.hk
                 and k_cache.shape[:2] == v_cache.shape[:2] and q.shape[2] == k_cache.shape[3]
@@ -83,12 +85,13 @@ class CpuPrefillAttention:
         if rc == -4:
             raise MemoryError("attention: the AMX kernel's scratch was too small or its "
                               "tables could not be allocated")
+        if rc == -1:
+            self.declined = True        # (no AMX: not asked again)
         if rc != 0:
             return None
         if bool(single.any()):
-            # Decode rows of this step as in a pure decode step (float32 probabilities, the
-            # reference's decode batch): a sequence's tokens do not depend on whether
-            # another one was prefilling beside it.
+            # This step's decode rows on the reference's decode batch (float32
+            # probabilities), as before this kernel.
             rows = cu[:-1][single].long()
             out[rows] = paged_attention_reference(
                 q[rows], k_cache, v_cache, tables[single], torch.arange(

@@ -283,6 +283,19 @@ static void decode_join(const struct split_item *its, int64_t n, int64_t stride,
 }
 #endif
 
+/* Whether a step in fmt over a cache in cfmt, heads of dh, blocks of bs takes AMX's tiles
+ * (decode_units) here: bf16 both, dh a multiple of 32 up to 256, bs of 16, a build and CPU
+ * with AMX-BF16 whose tile state the kernel grants. */
+int ft_attn_decode_tiles(int fmt, int cfmt, int64_t dh, int64_t bs) {
+#if FT_AMX
+    return fmt == 0 && cfmt == 0 && dh % 32 == 0 && dh <= 256 && bs % 16 == 0
+        && amx_permitted();
+#else
+    (void)fmt, (void)cfmt, (void)dh, (void)bs;
+    return 0;
+#endif
+}
+
 int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_t hk,
                    int64_t dh, const float *q_norm, const float *k_norm, float eps,
                    const float *cos_sin, int64_t n_pos, int64_t r, int interleaved,
@@ -309,8 +322,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     /* Step 2 on AMX (decode_units), where it applies. Units in (sequence, split, kv head,
      * q head chunk) order; work items a split's units of `per` kv heads; each (sequence,
      * kv head, chunk)'s units joined after, splits_b of them, `per_split` apart. */
-    const int amx = fmt == 0 && cfmt == 0 && dh % 32 == 0 && dh <= 256 && bs % 16 == 0
-        && amx_permitted();
+    const int amx = ft_attn_decode_tiles(fmt, cfmt, dh, bs);
     const int64_t hchunks = (group + HEADS_AMX - 1) / HEADS_AMX, per_split = hk * hchunks;
     int64_t n_units = 0, n_splits = 0;
     for (int64_t b = 0; amx && b < b_count; b++) {
@@ -321,7 +333,8 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     const int64_t per = n_splits >= threads ? hk : 1;       /* kv heads a work item */
     struct split_item *items = amx ? malloc((n_units + 1) * sizeof *items) : NULL;
     int64_t *split_at = amx ? malloc((b_count + 1) * sizeof *split_at) : NULL;
-    float *parts = amx ? malloc((n_units + 1) * (32 + HEADS_AMX * dh) * sizeof *parts) : NULL;
+    const int64_t part_floats = 32 + (group < HEADS_AMX ? group : HEADS_AMX) * dh;
+    float *parts = amx ? malloc((n_units + 1) * part_floats * sizeof *parts) : NULL;
     if (amx && (!items || !split_at || !parts)) {
         free(items), free(split_at), free(parts);
         return -1;
@@ -337,7 +350,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                         group - hc * HEADS_AMX < HEADS_AMX ? group - hc * HEADS_AMX : HEADS_AMX,
                         k0 > first ? k0 : first,
                         k0 + SPLIT_KEYS < lens[b] ? k0 + SPLIT_KEYS : lens[b],
-                        parts + i * (32 + HEADS_AMX * dh)};
+                        parts + i * part_floats};
         split_at[b + 1] = sp;
     }
     const int64_t sc_bytes = per * hchunks * ((SPLIT_KEYS + 32) * 16 + (dh / 32) * 512) * 4;

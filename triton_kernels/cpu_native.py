@@ -101,6 +101,10 @@ class NativeKernels:
         fn.argtypes = [p, c_int, i64, p, c_int, p, i64, i64, p, i64, i64, p, c_int, c_int]
         fn.restype = c_int
         self._linear = fn
+        fn = lib.ft_attn_decode_tiles
+        fn.argtypes = [c_int, c_int, i64, i64]
+        fn.restype = c_int
+        self._attn_decode_tiles = fn
         fn = lib.ft_attn_decode
         fn.argtypes = [p, c_int, i64, i64, i64, i64, p, p, c_float, p, i64, i64, c_int, p, p,
                        p, c_int, i64, i64, p, p, i64, p, i64, p, c_float, c_int, p, p]
@@ -280,6 +284,15 @@ class NativeKernels:
         quant = fp8 or int4
         return LinearCall(self._linear, weight, wfmt, scales if quant else None,
                           block if quant else (1, 1), bias, n, k)
+
+    def attn_decode_tiles(self, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                          block_size: int) -> bool:
+        """Whether attn_decode's scores run on AMX tiles for this step (cpu_attention.c's
+        ft_attn_decode_tiles: bf16 steps and caches, heads of a multiple of 32 up to 256,
+        blocks of 16 tokens, on an AMX build and CPU)."""
+        return bool(self._attn_decode_tiles(_IO_FORMATS.get(dtype, -1),
+                                            _IO_FORMATS.get(cache_dtype, -1), head_dim,
+                                            block_size))
 
     def attn_decode(self, qkv: torch.Tensor, heads: tuple[int, int, int], q_norm, k_norm,
                     eps: float, cos_sin: torch.Tensor, interleaved: bool,
