@@ -95,10 +95,13 @@ def test_decode_sliding_window(ctxs, hq, hk, d, window, dtype):
     ([1, 1], [40, 90], 24, True),                          # window and sinks
     ([1, 4, 1], [20, 9, 50], None, False),                 # decodes beside a prefill chunk
     ([1, 0, 1], [20, 9, 50], None, False),                 # a sequence with no query
+    ([600, 1], [700, 40], 64, True),                       # prefill with sinks: 256-query passes
+    ([300], [300], None, True),                            # (the last pass 44 queries)
 ])
 def test_reference_decode_matches_dense(q_lens, ctxs, window, with_sinks, dtype):
-    """The CPU's decode (float32 SDPA over gathered blocks) against the dense float64 math,
-    in bf16 too: the CPU serves bf16 models with it."""
+    """The CPU's decode (float32 SDPA over gathered blocks) and its prefill with sinks (the
+    math spelled out, 256 queries a pass over the keys they see) against the dense float64
+    math, in bf16 too: the CPU serves bf16 models with it."""
     q, k_cache, v_cache, table, cu, seq_lens = _batch(q_lens, ctxs, 8, 2, 64, dtype)
     sinks = 2 * torch.randn(8) if with_sinks else None
     args = (q, k_cache, v_cache, table, cu, seq_lens, 0.125)

@@ -32,6 +32,8 @@ _DEFAULT_NUM_SMS = 132     # an H100/H200, for the plan when the tensors live on
 # p - _NO_WINDOW + 1 stays in int32.
 _NO_WINDOW = 1 << 30
 _LOG2E = math.log2(math.e)
+# Queries a pass of the CPU reference's spelled-out prefill with sinks (its scores' rows).
+_SINK_QUERIES = 256
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -158,10 +160,20 @@ def _prefill_one(q, k_cache, v_cache, table, ctx: int, scale: float, window, sin
     else:
         k = k.repeat_interleave(hq // hk, dim=0)
         v = v.repeat_interleave(hq // hk, dim=0)
-        # SDPA has no sink logit: the same math spelled out (HF's eager gpt-oss attention).
-        scores = (qt @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
-        probs = _softmax_with_sinks(scores.float(), sinks[:, None]).to(q.dtype)
-        o = probs @ v
+        # SDPA has no sink logit: the same math spelled out (HF's eager gpt-oss attention),
+        # _SINK_QUERIES queries at a time over the keys any of them sees: their scores are
+        # [Hq, 256, <= L] float32, not the prompt's [Hq, n_q, L] (a 4096-token prompt of
+        # gpt-oss's 64 heads: 4.3 GB and ~12 s a layer on 2 cores). A masked key's exp is
+        # exactly 0, so dropping the keys no query of a chunk sees changes no sum.
+        o = qt.new_empty(hq, n_q, v.shape[-1])
+        for i in range(0, n_q, _SINK_QUERIES):
+            rows = mask[i:i + _SINK_QUERIES]
+            seen = rows.any(0).nonzero()
+            lo, hi = int(seen[0]), int(seen[-1]) + 1
+            scores = (qt[:, i:i + _SINK_QUERIES] @ k[:, lo:hi].transpose(1, 2) * scale)
+            scores = scores.masked_fill(~rows[:, lo:hi], float("-inf"))
+            probs = _softmax_with_sinks(scores.float(), sinks[:, None]).to(q.dtype)
+            o[:, i:i + _SINK_QUERIES] = probs @ v[:, lo:hi]
     return o.transpose(0, 1)
 
 
