@@ -87,9 +87,11 @@ def test_batch_chunks_preemption_equal_alone(ckpt_root, family, variant, caplog)
     slots.check()
     assert slots.num_used == 0
 
+    # (1e-4, as against HF above: the chunks' projections take other row counts, so other
+    # products, float32 steps apart, carried through the recurrence)
     whole = llm.logits(prompts[3])
     for chunk in (7, 16):
-        assert rel_err(llm.logits(prompts[3], chunk_size=chunk), whole) < 1e-5
+        assert rel_err(llm.logits(prompts[3], chunk_size=chunk), whole) < 1e-4
 
     # 8 blocks of 16 tokens for three requests of 30 + 12 tokens: some are preempted, then
     # recomputed from scratch into a fresh slot, and still give the tokens they give alone.
@@ -197,12 +199,17 @@ def test_warmup_ladder_runs_through_the_slots(ckpt_root, monkeypatch):
     the recurrent step) and prefill chunks (the chunked form); then every slot is free."""
     import triton_kernels as tk
     from freetoken.scheduler.warmup import run_warmup
-    forms, rule = set(), tk.gated_delta_rule
+    forms, rule, native = set(), tk.gated_delta_rule, tk.CpuGatedDelta.rule
 
     def spy(q, k, v, g, beta, pool, slots, cu, *rest, **kw):
         forms.add("recurrent" if q.shape[0] == slots.shape[0] else "chunked")
         return rule(q, k, v, g, beta, pool, slots, cu, *rest, **kw)
+
+    def native_spy(self, q, k, v, g, beta, pool, slots, *rest, **kw):   # a CPU engine's
+        forms.add("recurrent" if q.shape[0] == slots.shape[0] else "chunked")
+        return native(self, q, k, v, g, beta, pool, slots, *rest, **kw)
     monkeypatch.setattr(tk, "gated_delta_rule", spy)
+    monkeypatch.setattr(tk.CpuGatedDelta, "rule", native_spy)
     llm = LLM(str(cached_checkpoint(ckpt_root, *HYBRID[0])), skip_tokenizer_init=True,
               max_prefill_length=16, max_model_len=64)
     report = run_warmup(llm.engine, max_depth=40)

@@ -49,7 +49,7 @@ log = logging.getLogger("freetoken.kernels")
 _HERE = Path(__file__).parent
 # compiled together into one library
 _SOURCES = ("cpu_moe.c", "cpu_amx.c", "cpu_amx_attention.c", "cpu_linear.c", "cpu_attention.c",
-            "cpu_norm.c", "cpu_route.c", "cpu_program.c")
+            "cpu_norm.c", "cpu_route.c", "cpu_program.c", "cpu_gated_delta.c")
 _HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
@@ -110,6 +110,15 @@ class NativeKernels:
                        p, c_int, i64, i64, p, p, i64, p, i64, p, c_float, c_int, p, p]
         fn.restype = c_int
         self._attn_decode = fn
+        fn = lib.ft_causal_conv1d      # cpu_gated_delta.c: Gated DeltaNet's sequence ops
+        fn.argtypes = [p, c_int, i64, i64, i64, p, i64, p, i64, p, p, p, i64, c_int, c_int, p]
+        fn.restype = c_int
+        self.causal_conv1d_fn = fn
+        fn = lib.ft_gated_delta
+        fn.argtypes = [p, p, p, c_int, i64, i64, i64, i64, p, p, c_int, p, i64, p, p, p, i64,
+                       i64, i64, i64, i64, c_float, c_int, c_int, p]
+        fn.restype = c_int
+        self.gated_delta_fn = fn
         fn = lib.ft_rms_norm
         fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, c_int]
         fn.restype = None

@@ -27,7 +27,7 @@ from torch import nn
 import triton_kernels as tk
 from freetoken.engine.batch import ForwardBatch
 from freetoken.engine.cache_spec import RecurrentStateSpec
-from freetoken.models.layers.linear import Linear
+from freetoken.models.layers.linear import Linear, pack_fused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +95,24 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(cfg.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = Linear(cfg.value_dim, d, bias=False)
+        # On a CPU engine the input projections run as one packed product (pack_cpu;
+        # linear.pack_for_cpu), and the conv and the delta rule as native calls.
+        self.cpu_fused = (("in_proj_qkvz", "in_proj_ba") if cfg.fused_projections
+                          else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        self.proj_widths = ((cfg.conv_dim + cfg.value_dim, 2 * hv) if cfg.fused_projections
+                            else (cfg.conv_dim, cfg.value_dim, hv, hv))
+        self.proj_packed: tk.CpuLinear | tk.Int4Linear | None = None
+        self.cpu_native: tk.CpuGatedDelta | None = None
+
+    def pack_cpu(self) -> int:
+        """CPU engine: the input projections as one product (pack_fused), and the conv and
+        delta rule on the native kernels where they build (cpu_gated_delta.py). Returns the
+        packed product's bytes (0: the projections are packed alone, or not at all)."""
+        self.proj_packed = pack_fused([getattr(self, name) for name in self.cpu_fused])
+        kernel = tk.native_kernels()
+        if kernel is not None:
+            self.cpu_native = tk.CpuGatedDelta(kernel, self.conv1d.weight.squeeze(1))
+        return 0 if self.proj_packed is None else self.proj_packed.nbytes
 
     def cache_spec(self) -> RecurrentStateSpec:
         c = self.cfg
@@ -104,13 +122,17 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor):
         """x [T, D] -> (qkv [T, C] as [q heads | k heads | v heads], z [T, Hv*Dv], b, a [T, Hv])."""
         c, t = self.cfg, x.shape[0]
+        if self.proj_packed is not None:
+            outs = self.proj_packed(x).split(self.proj_widths, dim=-1)
+        else:
+            outs = [getattr(self, name)(x) for name in self.cpu_fused]
         if not c.fused_projections:
-            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            return tuple(outs)
         r = c.num_v_heads // c.num_k_heads
         # Per key head: [q Dk | k Dk | v r*Dv | z r*Dv] and [b r | a r].
-        q, k, v, z = self.in_proj_qkvz(x).view(t, c.num_k_heads, -1).split(
+        q, k, v, z = outs[0].reshape(t, c.num_k_heads, -1).split(
             [c.head_k_dim, c.head_k_dim, r * c.head_v_dim, r * c.head_v_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, c.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = outs[1].reshape(t, c.num_k_heads, 2 * r).split([r, r], dim=-1)
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return qkv, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
 
@@ -118,9 +140,13 @@ class GatedDeltaNet(nn.Module):
         c, t = self.cfg, x.shape[0]
         qkv, z, b, a = self._project(x)
         state, conv_state = batch.kv.layer(self.layer_idx)
-        qkv = tk.causal_conv1d(qkv.contiguous(), self.conv1d.weight.squeeze(1), None, conv_state,
-                               batch.state_slots, batch.cu_seqlens_q, batch.has_initial_state,
-                               activation="silu")                           # [T, C]
+        seqs = (batch.state_slots, batch.cu_seqlens_q, batch.has_initial_state)
+        native = self.cpu_native
+        conv = None if native is None else native.conv1d(qkv, conv_state, *seqs)
+        if conv is None:
+            conv = tk.causal_conv1d(qkv.contiguous(), self.conv1d.weight.squeeze(1), None,
+                                    conv_state, *seqs, activation="silu")
+        qkv = conv                                                           # [T, C]
         q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = q.reshape(t, c.num_k_heads, c.head_k_dim)
         k = k.reshape(t, c.num_k_heads, c.head_k_dim)
@@ -128,8 +154,10 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b)                                              # [T, Hv]
         # float32 first: in half precision exp(A_log) * softplus could overflow to -inf.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o = tk.gated_delta_rule(q, k, v, g, beta, state, batch.state_slots, batch.cu_seqlens_q,
-                                batch.has_initial_state, c.head_k_dim ** -0.5,
-                                use_qk_l2norm=True)                          # [T, Hv, Dv]
+        o = None if native is None else native.rule(q, k, v, g, beta, state, *seqs,
+                                                    c.head_k_dim ** -0.5)
+        if o is None:
+            o = tk.gated_delta_rule(q, k, v, g, beta, state, *seqs, c.head_k_dim ** -0.5,
+                                    use_qk_l2norm=True)                      # [T, Hv, Dv]
         o = self.norm(o.reshape(-1, c.head_v_dim), z.reshape(-1, c.head_v_dim))
         return self.out_proj(o.reshape(t, c.value_dim))

@@ -1,0 +1,158 @@
+/* Gated DeltaNet's two sequence ops for a CPU engine (Qwen3-Next, Qwen3.5/3.6): the depthwise
+ * causal conv1d over each sequence's new tokens with its state, and the gated delta rule token
+ * by token, both over a flat varlen batch, each sequence's state in its pool slot.
+ *
+ * Why: their references (causal_conv1d.py, gated_delta.py) run torch ops per token: the delta
+ * rule ~10 ops a token a layer (a 4096-token prompt of the bench-shaped Qwen3-Next: ~2.6 s of
+ * its ~4.6 s prefill), the conv one oneDNN convolution a sequence (~150 us at one token). Here
+ * each (sequence, value head)'s state [Dk, Dv] stays in a thread's L1/L2 for all its tokens.
+ *
+ * Formats (fmt): 0 bf16, 1 fp16, 2 float32 (cpu_dot.h's load_as / round_to).
+ *
+ * ft_causal_conv1d: x [T, C] (row stride xs) in fmt, weight [C, W] float32, state [S, C, W-1]
+ * in fmt (oldest first), slots / cu / has per sequence; y_t = act(sum_j w_j x_{t-(W-1)+j}) in
+ * float32, rounded once to fmt (as the reference's float32 conv1d and silu); the slot keeps the
+ * sequence's last W-1 inputs (zeros before its first token where has is 0).
+ *
+ * ft_gated_delta: q, k [T, Hk, Dk] and v [T, Hv, Dv] in fmt (row strides qs, ks, vs; heads
+ * contiguous), g [T, Hv] float32, beta [T, Hv] in bfmt, state pool [S, Hv, Dk, Dv] float32;
+ * per token and value head h (key head h / (Hv / Hk)), in float32:
+ *     q, k = l2norm(q), l2norm(k) (when l2norm: x / sqrt(sum x^2 + 1e-6)); q = q * scale
+ *     S = S exp(g);  S = S + k^T (beta (v - k S));  o = q S
+ * o [T, Hv, Dv] rounded to fmt. Both return 0, -1 out of memory, -2 a slot or offset out of
+ * range.
+ */
+#include "cpu_dot.h"
+
+#define CONV_BLOCK 256          /* channels a conv work item */
+
+static int check_seqs(const int32_t *slots, const int32_t *cu, int64_t n_seq, int64_t n_slots,
+                      int64_t t_count) {
+    for (int64_t i = 0; i < n_seq; i++)
+        if (slots[i] < 0 || slots[i] >= n_slots || cu[i] < 0 || cu[i + 1] < cu[i]
+            || cu[i + 1] > t_count)
+            return -2;
+    return 0;
+}
+
+int ft_causal_conv1d(const void *x, int fmt, int64_t t_count, int64_t c, int64_t xs,
+                     const float *w, int64_t width, void *state, int64_t n_slots,
+                     const int32_t *slots, const int32_t *cu, const uint8_t *has, int64_t n_seq,
+                     int silu, int threads, void *y) {
+    if (width < 2 || width > 16)
+        return -2;
+    if (check_seqs(slots, cu, n_seq, n_slots, t_count))
+        return -2;
+    const int64_t h = width - 1, blocks = (c + CONV_BLOCK - 1) / CONV_BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < n_seq * blocks; item++) {
+        const int64_t i = item / blocks, c0 = item % blocks * CONV_BLOCK;
+        const int64_t cn = c - c0 < CONV_BLOCK ? c - c0 : CONV_BLOCK;
+        float hist[16][CONV_BLOCK];          /* hist[j][ch]: input t - (W-1) + j, oldest first */
+        const int64_t base = (int64_t)slots[i] * c * h;
+        for (int64_t ch = 0; ch < cn; ch++)
+            for (int64_t j = 0; j < h; j++)
+                hist[j][ch] = has[i] ? load_as(state, base + (c0 + ch) * h + j, fmt) : 0.f;
+        for (int64_t t = cu[i]; t < cu[i + 1]; t++) {
+            float cur[CONV_BLOCK], acc[CONV_BLOCK];
+            for (int64_t ch = 0; ch < cn; ch++)
+                cur[ch] = load_as(x, t * xs + c0 + ch, fmt);
+            for (int64_t ch = 0; ch < cn; ch++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < h; j++)
+                    s += w[(c0 + ch) * width + j] * hist[j][ch];
+                acc[ch] = s + w[(c0 + ch) * width + h] * cur[ch];
+            }
+            if (silu)
+                for (int64_t ch = 0; ch < cn; ch++)
+                    acc[ch] = acc[ch] / (1.f + expf(-acc[ch]));
+            for (int64_t ch = 0; ch < cn; ch++)
+                store_as(y, t * c + c0 + ch, round_to(acc[ch], fmt), fmt);
+            for (int64_t j = 0; j + 1 < h; j++)
+                memcpy(hist[j], hist[j + 1], cn * sizeof(float));
+            memcpy(hist[h - 1], cur, cn * sizeof(float));
+        }
+        for (int64_t ch = 0; ch < cn; ch++)
+            for (int64_t j = 0; j < h; j++)
+                store_as(state, base + (c0 + ch) * h + j, round_to(hist[j][ch], fmt), fmt);
+    }
+    return 0;
+}
+
+/* x [n] (fmt, at p) -> out float32, l2-normed when asked, times mul. */
+static inline void load_head(const void *p, int64_t at, int64_t n, int fmt, int l2norm,
+                             float mul, float *out) {
+    float ss = 0.f;
+    for (int64_t d = 0; d < n; d++) {
+        out[d] = load_as(p, at + d, fmt);
+        ss += out[d] * out[d];
+    }
+    const float f = (l2norm ? 1.f / sqrtf(ss + 1e-6f) : 1.f);
+    for (int64_t d = 0; d < n; d++)
+        out[d] = out[d] * f * mul;
+}
+
+int ft_gated_delta(const void *q, const void *k, const void *v, int fmt, int64_t t_count,
+                   int64_t qs, int64_t ks, int64_t vs, const float *g, const void *beta,
+                   int bfmt, float *pool, int64_t n_slots, const int32_t *slots,
+                   const int32_t *cu, const uint8_t *has, int64_t n_seq, int64_t hk, int64_t hv,
+                   int64_t dk, int64_t dv, float scale, int l2norm, int threads, void *out) {
+    if (hk <= 0 || hv % hk || check_seqs(slots, cu, n_seq, n_slots, t_count))
+        return -2;
+    const int64_t r = hv / hk;
+    int bad = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = malloc((dk * dv + 2 * dk + 3 * dv) * sizeof(float));
+        if (!buf)
+            __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
+#pragma omp barrier
+        if (!__atomic_load_n(&bad, __ATOMIC_RELAXED)) {
+            float *s = buf, *qf = s + dk * dv, *kf = qf + dk, *pred = kf + dk, *delta = pred + dv,
+                  *o = delta + dv;
+#pragma omp for schedule(dynamic)
+            for (int64_t item = 0; item < n_seq * hv; item++) {
+                const int64_t i = item / hv, h = item % hv, kh = h / r;
+                float *slot = pool + ((int64_t)slots[i] * hv + h) * dk * dv;
+                if (has[i])
+                    memcpy(s, slot, dk * dv * sizeof(float));
+                else
+                    memset(s, 0, dk * dv * sizeof(float));
+                for (int64_t t = cu[i]; t < cu[i + 1]; t++) {
+                    load_head(q, t * qs + kh * dk, dk, fmt, l2norm, scale, qf);
+                    load_head(k, t * ks + kh * dk, dk, fmt, l2norm, 1.f, kf);
+                    const float decay = expf(g[t * hv + h]), b = load_as(beta, t * hv + h, bfmt);
+                    /* S = S exp(g), and k S, a row of S at a time */
+                    for (int64_t e = 0; e < dv; e++)
+                        pred[e] = 0.f;
+                    for (int64_t d = 0; d < dk; d++) {
+                        float *row = s + d * dv;
+                        const float kd = kf[d];
+                        for (int64_t e = 0; e < dv; e++) {
+                            row[e] *= decay;
+                            pred[e] += row[e] * kd;
+                        }
+                    }
+                    for (int64_t e = 0; e < dv; e++) {
+                        delta[e] = b * (load_as(v, t * vs + h * dv + e, fmt) - pred[e]);
+                        o[e] = 0.f;
+                    }
+                    /* S = S + k^T delta, and q S */
+                    for (int64_t d = 0; d < dk; d++) {
+                        float *row = s + d * dv;
+                        const float kd = kf[d], qd = qf[d];
+                        for (int64_t e = 0; e < dv; e++) {
+                            row[e] += kd * delta[e];
+                            o[e] += row[e] * qd;
+                        }
+                    }
+                    for (int64_t e = 0; e < dv; e++)
+                        store_as(out, (t * hv + h) * dv + e, round_to(o[e], fmt), fmt);
+                }
+                memcpy(slot, s, dk * dv * sizeof(float));
+            }
+        }
+        free(buf);
+    }
+    return bad ? -1 : 0;
+}
