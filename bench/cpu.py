@@ -9,6 +9,7 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py --unpacked                        # + FreeToken without CPU packing
     python bench/cpu.py --eager                           # + FreeToken without its decode program
     python bench/cpu.py --depth 16384                     # + batch 1 after a 16k-token prompt
+    python bench/cpu.py --family qwen3_next               # the same shape, Qwen3-Next's layers
 
 The checkpoint (tools/make_tiny_model.py's generator, random weights: hidden 1024, 12 layers,
 16/4 heads of 64, 64 experts, top-8, expert width 256, vocab 32768) is built on the spot.
@@ -276,6 +277,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a small shape, fewer tokens")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--family", default="qwen3_moe", help="make_tiny_model's family at the "
+                   "bench shape (qwen3_next: 3 in 4 layers Gated DeltaNet)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--rounds", type=int, default=3, help="interleaved repeats of every arm")
     p.add_argument("--decode-tokens", type=int, default=None, help="default 32 (--quick 8)")
@@ -311,7 +314,7 @@ def main(argv=None) -> int:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)   # a new folder: made, not a traceback
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         model_dir = Path(tmp) / "model"
-        make_tiny_model(model_dir, family="qwen3_moe", seed=0, dtype=args.dtype, **shape)
+        make_tiny_model(model_dir, family=args.family, seed=0, dtype=args.dtype, **shape)
         active, total = active_bytes_per_token(model_dir, args.dtype)
         report.update(active_bytes_per_token=active, weight_bytes=total)
         actives = {"freetoken": active}

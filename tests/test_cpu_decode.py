@@ -472,11 +472,45 @@ def test_native_decode_attention_same_bits_any_threads_and_refuses_bad_tables(th
         step(c["qkv"][:, :-1], *args[1:])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["olmoe", "minimax_m2", "qwen3_next", "qwen3_5_moe"])
+def test_native_decode_step_with_torch_steps_around_it(tiny_model_dir, family):
+    # olmoe and minimax_m2 norm q and k across all heads, and qwen3_next / qwen3_5_moe gate
+    # the output: torch does that around the native step. Each decode step's layer output
+    # against the torch path's on the same input, in the same step: the difference's norm
+    # within a few bf16 steps of the output's (each rounds o, then o_proj sums it).
+    # (Not the tokens: one bf16 step in qwen3_next's last layer moves a tiny random model's
+    # logprobs by up to 0.5.)
+    from freetoken import LLM, SamplingParams
+    from freetoken.models.layers.attention import Attention
+    llm = LLM(str(tiny_model_dir(family, seed=3)), skip_tokenizer_init=True,
+              dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False)
+    attns = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
+    assert attns and all(a.cpu_decode is not None and a.decode_pre_steps for a in attns)
+    checked = []
+    for a in attns:
+        native, forward = a.cpu_decode, a.forward
+
+        def both(x, batch, a=a, native=native, forward=forward):
+            if batch.max_seqlen_q != 1:
+                return forward(x, batch)
+            a.cpu_decode = None
+            want = forward(x, batch)
+            a.cpu_decode = native
+            got = forward(x, batch)
+            checked.append(float((got.float() - want.float()).norm() / want.float().norm()))
+            return got
+        a.forward = both
+    llm.generate([[5, 17, 99, 3, 200, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]],
+                 SamplingParams(max_tokens=6, min_tokens=6, temperature=0))
+    assert len(checked) == 5 * len(attns) and max(checked) <= 2 ** -6, checked
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "olmoe", "minimax_m2"])
 def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family, monkeypatch):
     # A bf16 CPU engine's attention layers take the native decode step (gpt-oss: sliding
-    # window and sinks on alternate layers) and generate what the torch path generates, to
-    # bf16's ties: a random tiny model's top two logits can be one bf16 step apart, so where
+    # window and sinks on alternate layers; olmoe and minimax_m2: torch's q/k norms across
+    # heads before it) and generate what the torch path generates, to bf16's ties: a random
+    # tiny model's top two logits can be one bf16 step apart, so where
     # the tokens part, the torch path's top two must be that near (and the rest is not
     # compared); the steps before must agree in token and logprob. "Near" is 0.1: bf16's
     # noise on these models (gpt_oss's first token: HF's bf16 logprob is 0.038 off its

@@ -123,6 +123,8 @@ class CpuDecodeGraph:
         """n -> h: the fused q/k/v product, the native decode step, o_proj."""
         _need(isinstance(attn, Attention) and attn.cpu_decode is not None
               and attn.qkv_packed is not None, f"layer {i}'s attention has no native decode step")
+        _need(not attn.decode_pre_steps, f"layer {i}'s attention has torch steps before its "
+              f"native decode step (output gate, q/k norms across heads, clipping)")
         k_cache, v_cache = caches
         _need(attn.cpu_decode.takes(k_cache, v_cache), f"layer {i}'s KV cache is "
               f"{k_cache.dtype}")

@@ -73,6 +73,11 @@ class Attention(nn.Module):
         self.qkv_packed: tk.CpuLinear | tk.Int4Linear | None = None
         self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
         self.cpu_decode: tk.CpuDecodeAttention | None = None
+        # Steps over whole q/k/v widths before the per-head ones, which a native decode step
+        # leaves to torch (_whole_width_steps): the output gate's split, q/k norms across all
+        # heads, clipping.
+        self.decode_pre_steps = (cfg.output_gate or cfg.qk_norm == "all"
+                                 or cfg.clip_qkv is not None)
         self.cpu_prefill: tk.CpuPrefillAttention | None = None
 
     def pack_cpu(self) -> int:
@@ -89,13 +94,13 @@ class Attention(nn.Module):
         return 0 if self.qkv_packed is None else self.qkv_packed.nbytes
 
     def _native_decode(self) -> tk.CpuDecodeAttention | None:
-        """A decode step after the fused product in one native call (cpu_attention.py), for
-        the configurations it covers: per-head or no q/k norm, no output gate, no clipping."""
+        """A decode step after the fused product in one native call (cpu_attention.py):
+        per-head q/k norms, RoPE, the K/V write and attention; the whole-width steps before
+        them (decode_pre_steps) stay torch's."""
         cfg, kernel = self.cfg, tk.native_kernels()
-        if (kernel is None or self.qkv_packed is None or cfg.qk_norm == "all"
-                or cfg.output_gate or cfg.clip_qkv is not None):
+        if kernel is None or self.qkv_packed is None:
             return None
-        q_w, k_w = ((None if n is None else n.weight if not n.offset
+        q_w, k_w = ((None if n is None or cfg.qk_norm != "head" else n.weight if not n.offset
                      else (n.offset + n.weight.float()).to(n.weight.dtype))
                     for n in (self.q_norm, self.k_norm))
         return tk.CpuDecodeAttention(
@@ -107,29 +112,38 @@ class Attention(nn.Module):
         return AttentionSpec(self.num_kv_heads, self.head_dim, self.head_dim,
                              self.cfg.sliding_window)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t, hd = x.shape[0], self.head_dim
-        k_cache, v_cache = batch.kv.layer(self.layer_idx)
-        # A CPU engine's pure decode step: one native call after the fused product.
-        if (self.cpu_decode is not None and batch.max_seqlen_q == 1
-                and self.cpu_decode.takes(k_cache, v_cache)):
-            o = self.cpu_decode(self.qkv_packed(x), batch.positions, self.rope.cos_sin,
-                                k_cache, v_cache, batch.slot_mapping, batch.block_tables,
-                                batch.seq_lens)
-            return self.o_proj(o)
-        if self.qkv_packed is not None:                               # [T, H*Dh] views
-            q, k, v = self.qkv_packed(x).split(self.qkv_widths, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*Dh]
+    def _whole_width_steps(self, q, k, v, t: int):
+        """[T, H*Dh] q, k, v -> (q, k, v, gate): the output gate split off q ([T, H, 2*Dh] ->
+        q, gate [T, H*Dh]), q/k norms across all heads, clipping."""
         gate = None
-        if self.cfg.output_gate:        # [T, H, 2*Dh] -> q [T, H*Dh], gate [T, H*Dh]
-            q, gate = q.view(t, self.num_heads, 2 * hd).chunk(2, dim=-1)
+        if self.cfg.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             q, gate = q.reshape(t, -1), gate.reshape(t, -1)
         if self.cfg.qk_norm == "all":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cfg.clip_qkv is not None:
             c = self.cfg.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        return q, k, v, gate
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, hd = x.shape[0], self.head_dim
+        k_cache, v_cache = batch.kv.layer(self.layer_idx)
+        if self.qkv_packed is not None:                               # [T, H*Dh] views
+            qkv = self.qkv_packed(x)
+            q, k, v = qkv.split(self.qkv_widths, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*Dh]
+        q, k, v, gate = self._whole_width_steps(q, k, v, t)
+        # A CPU engine's pure decode step: one native call after the fused product (and the
+        # whole-width steps, where the layer has them).
+        if (self.cpu_decode is not None and batch.max_seqlen_q == 1
+                and self.cpu_decode.takes(k_cache, v_cache)):
+            if self.decode_pre_steps:
+                qkv = torch.cat([q, k, v], dim=-1)
+            o = self.cpu_decode(qkv, batch.positions, self.rope.cos_sin, k_cache, v_cache,
+                                batch.slot_mapping, batch.block_tables, batch.seq_lens)
+            return self.o_proj(o if gate is None else o * torch.sigmoid(gate))
         q = q.view(t, self.num_heads, hd)
         k = k.view(t, self.num_kv_heads, hd)
         v = v.view(t, self.num_kv_heads, hd)
