@@ -473,7 +473,7 @@ def test_native_decode_attention_same_bits_any_threads_and_refuses_bad_tables(th
 
 
 @pytest.mark.parametrize("family", ["olmoe", "minimax_m2", "qwen3_next", "qwen3_5_moe"])
-def test_native_decode_step_with_torch_steps_around_it(tiny_model_dir, family):
+def test_native_decode_step_with_torch_steps_around_it(tiny_model_dir, family, monkeypatch):
     # olmoe and minimax_m2 norm q and k across all heads, and qwen3_next / qwen3_5_moe gate
     # the output: torch does that around the native step. Each decode step's layer output
     # against the torch path's on the same input, in the same step: the difference's norm
@@ -486,6 +486,9 @@ def test_native_decode_step_with_torch_steps_around_it(tiny_model_dir, family):
               dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False)
     attns = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
     assert attns and all(a.cpu_decode is not None and a.decode_pre_steps for a in attns)
+    calls, attn_call = [], tk.cpu_native.AttnCall.__call__
+    monkeypatch.setattr(tk.cpu_native.AttnCall, "__call__",
+                        lambda *a, **kw: calls.append(1) or attn_call(*a, **kw))
     checked = []
     for a in attns:
         native, forward = a.cpu_decode, a.forward
@@ -502,7 +505,7 @@ def test_native_decode_step_with_torch_steps_around_it(tiny_model_dir, family):
         a.forward = both
     llm.generate([[5, 17, 99, 3, 200, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]],
                  SamplingParams(max_tokens=6, min_tokens=6, temperature=0))
-    assert len(checked) == 5 * len(attns) and max(checked) <= 2 ** -6, checked
+    assert len(checked) == len(calls) == 5 * len(attns) and max(checked) <= 2 ** -6, checked
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "olmoe", "minimax_m2"])

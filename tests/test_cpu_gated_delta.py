@@ -62,14 +62,15 @@ def test_native_delta_rule_same_bits_on_any_thread_count(n, threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("silu", [True, False])
-def test_native_conv_matches_the_reference(dtype, silu, threads):
+@pytest.mark.parametrize("silu,width", [(True, 4), (False, 4), (True, 2), (True, 16)])
+def test_native_conv_matches_the_reference(dtype, silu, width, threads):
     threads(2)
     # segments shorter than W-1 (1, 2) keep part of the old state, a 0-token one all of it;
     # 300 channels: a block of 256 and a ragged one
     lens = [1, 2, 40, 0, 1, 3, 7]
     has = torch.tensor([True, True, False, True, False, True, True])
-    x, weight, _, pool, slots, cu = _conv_batch(lens, 300, 4, dtype, with_bias=False)
+    x, weight, _, pool, slots, cu = _conv_batch(lens, 300, width, dtype, with_bias=False)
+    slots, cu = slots.long(), cu.long()                                     # int64 as well
     x = strided(x, torch.zeros(x.shape[0], 5, dtype=dtype))[0]    # rows 305 apart
     pool[slots[~has].long()] = float("nan")
     want_pool = pool.clone()
@@ -87,20 +88,29 @@ def test_native_ops_decline_and_refuse():
     op = tk.CpuGatedDelta(kernel, torch.randn(8, 4))
     assert op.rule(q, k, v, g.half(), beta, pool, slots, cu, has, 0.25) is None   # g not f32
     assert op.rule(q, k, v, g, beta, pool.half(), slots, cu, has, 0.25) is None
+    assert op.rule(q, k, v, g, beta, pool, slots, cu[:2], has, 0.25) is None     # [N+1]
     bad = slots.clone()
     bad[1] = pool.shape[0]
-    with pytest.raises(ValueError, match="slot"):
+    with pytest.raises(ValueError, match="outside the pool"):
         op.rule(q, k, v, g, beta, pool, bad, cu, has, 0.25)
+    with pytest.raises(ValueError, match="one state slot"):
+        op.rule(q, k, v, g, beta, pool, slots[[0, 0]], cu, has, 0.25)
     x, weight, _, cpool, cslots, ccu = _conv_batch([3, 1], 8, 4, torch.float32, False)
     conv = tk.CpuGatedDelta(kernel, weight)
     assert conv.conv1d(x, cpool.half(), cslots, ccu, has) is None               # pool dtype
     assert conv.conv1d(x[:, :4], cpool, cslots, ccu, has) is None               # channels
+    assert conv.conv1d(x, cpool, cslots, ccu, has[:1]) is None                  # flags [N]
     with pytest.raises(ValueError, match="offsets"):
         conv.conv1d(x, cpool, cslots, torch.tensor([0, 3, 9], dtype=torch.int32), has)
+    wide = tk.CpuGatedDelta(kernel, torch.randn(8, 17))
+    assert wide.conv1d(x, torch.zeros(4, 8, 16), cslots, ccu, has) is None      # W > 16
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
 def test_cpu_engine_linear_attention_runs_native(tiny_model_dir, family, monkeypatch):
+    # Every step of every Gated DeltaNet layer (the prefill and each decode) runs both ops
+    # natively, and its output is the torch path's on the same input and state (each path
+    # from a copy of the state): the difference's norm within a bf16 step of the output's.
     from freetoken import LLM, SamplingParams
     from freetoken.models.layers.linear_attention import GatedDeltaNet
     llm = LLM(str(tiny_model_dir(family, seed=2)), skip_tokenizer_init=True,
@@ -114,13 +124,28 @@ def test_cpu_engine_linear_attention_runs_native(tiny_model_dir, family, monkeyp
         monkeypatch.setattr(tk.CpuGatedDelta, name,
                             lambda self, *a, fn=fn, name=name, **kw: calls.append(name)
                             or fn(self, *a, **kw))
-    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
-    prompt = [[5, 17, 99, 3, 200, 7, 8, 9, 10, 11]]
-    native = llm.generate(prompt, params)
-    # every step (the prefill and 3 decodes) of every layer, both ops
-    assert calls.count("conv1d") == calls.count("rule") == 4 * len(layers)
+    checked = []
     for m in layers:
-        m.cpu_native = None
-    torch_path = llm.generate(prompt, params)
-    assert native[0].token_ids[0] == torch_path[0].token_ids[0]
-    assert abs(native[0].logprobs[0][0] - torch_path[0].logprobs[0][0]) < 0.05
+        native, forward = m.cpu_native, m.forward
+
+        def both(x, batch, m=m, native=native, forward=forward):
+            pools = batch.kv.layer(m.layer_idx)
+            start = [p.clone() for p in pools]
+            m.cpu_native = None
+            want = forward(x, batch)
+            after = [p.clone() for p in pools]
+            for p, s in zip(pools, start):
+                p.copy_(s)
+            m.cpu_native = native
+            got = forward(x, batch)
+            checked.append(max(float((got.float() - want.float()).norm()
+                                     / want.float().norm()),
+                               *(float((p.float() - a.float()).norm() / a.float().norm())
+                                 for p, a in zip(pools, after))))
+            return got
+        m.forward = both
+    llm.generate([[5, 17, 99, 3, 200, 7, 8, 9, 10, 11]],
+                 SamplingParams(max_tokens=4, temperature=0))
+    # the prefill and 3 decodes, every layer, both ops natively
+    assert calls.count("conv1d") == calls.count("rule") == len(checked) == 4 * len(layers)
+    assert max(checked) <= 2 ** -8, checked

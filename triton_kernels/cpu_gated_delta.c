@@ -20,7 +20,8 @@
  *     q, k = l2norm(q), l2norm(k) (when l2norm: x / sqrt(sum x^2 + 1e-6)); q = q * scale
  *     S = S exp(g);  S = S + k^T (beta (v - k S));  o = q S
  * o [T, Hv, Dv] rounded to fmt. Both return 0, -1 out of memory, -2 a slot or offset out of
- * range.
+ * range, -3 a slot named twice (two sequences' work items would share a state row), -4 (the
+ * conv) a width outside 2..16.
  */
 #include "cpu_dot.h"
 
@@ -28,10 +29,14 @@
 
 static int check_seqs(const int32_t *slots, const int32_t *cu, int64_t n_seq, int64_t n_slots,
                       int64_t t_count) {
-    for (int64_t i = 0; i < n_seq; i++)
+    for (int64_t i = 0; i < n_seq; i++) {
         if (slots[i] < 0 || slots[i] >= n_slots || cu[i] < 0 || cu[i + 1] < cu[i]
             || cu[i + 1] > t_count)
             return -2;
+        for (int64_t j = 0; j < i; j++)     /* (a step's few sequences: n^2 is nothing) */
+            if (slots[j] == slots[i])
+                return -3;
+    }
     return 0;
 }
 
@@ -40,9 +45,10 @@ int ft_causal_conv1d(const void *x, int fmt, int64_t t_count, int64_t c, int64_t
                      const int32_t *slots, const int32_t *cu, const uint8_t *has, int64_t n_seq,
                      int silu, int threads, void *y) {
     if (width < 2 || width > 16)
-        return -2;
-    if (check_seqs(slots, cu, n_seq, n_slots, t_count))
-        return -2;
+        return -4;
+    const int rc = check_seqs(slots, cu, n_seq, n_slots, t_count);
+    if (rc)
+        return rc;
     const int64_t h = width - 1, blocks = (c + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < n_seq * blocks; item++) {
@@ -97,8 +103,11 @@ int ft_gated_delta(const void *q, const void *k, const void *v, int fmt, int64_t
                    int bfmt, float *pool, int64_t n_slots, const int32_t *slots,
                    const int32_t *cu, const uint8_t *has, int64_t n_seq, int64_t hk, int64_t hv,
                    int64_t dk, int64_t dv, float scale, int l2norm, int threads, void *out) {
-    if (hk <= 0 || hv % hk || check_seqs(slots, cu, n_seq, n_slots, t_count))
+    if (hk <= 0 || hv % hk)
         return -2;
+    const int rc = check_seqs(slots, cu, n_seq, n_slots, t_count);
+    if (rc)
+        return rc;
     const int64_t r = hv / hk;
     int bad = 0;
 #pragma omp parallel num_threads(threads)

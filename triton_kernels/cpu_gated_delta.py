@@ -7,8 +7,9 @@ order of sums: the same math in float32, token by token, rounded once to the act
 dtype. The references ran torch ops per token and layer: a bench-shaped Qwen3-Next (hidden
 1024, 12 layers, 9 of them linear attention) prefilled 4096 tokens at ~880 tok/s and decoded
 at 32 ms a token on 2 cores, against Qwen3-MoE's 2440 and 12.4 at the same shape.
-Where a call does not take its tensors (not on the CPU, a dtype the kernels do not read,
-layouts other than the layer's) it returns None and the caller keeps the reference.
+Where a call does not take its tensors (any not on the CPU, a dtype the kernels do not read,
+layouts other than the layer's, a conv wider than 16) it returns None and the caller keeps
+the reference; slots outside the pool or named twice, and offsets outside the batch, raise.
 """
 
 from __future__ import annotations
@@ -19,14 +20,28 @@ from triton_kernels.cpu_native import _IO_FORMATS, NativeKernels
 
 
 def _seqs(state_slots, cu_seqlens, has_initial_state):
+    """The step's sequences as the kernels read them (int32 slots and offsets, a byte a
+    flag), or None where they are not [N], [N+1], [N] CPU tensors."""
+    n = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    if not (n >= 0 and tuple(cu_seqlens.shape) == (n + 1,)
+            and tuple(has_initial_state.shape) == (n,)
+            and all(t.device.type == "cpu"
+                    for t in (state_slots, cu_seqlens, has_initial_state))):
+        return None
     return (state_slots.to(torch.int32).contiguous(), cu_seqlens.to(torch.int32).contiguous(),
             has_initial_state.to(torch.uint8).contiguous())
 
 
+def _on_cpu(*tensors) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def _raise(rc: int, what: str):
     if rc == -2:
-        raise ValueError(f"{what}: a state slot outside the pool or token offsets outside "
+        raise ValueError(f"{what}: a state slot outside the pool, or token offsets outside "
                          f"the batch")
+    if rc == -3:
+        raise ValueError(f"{what}: two sequences name one state slot")
     if rc == -1:
         raise MemoryError(f"{what}: out of host memory for a thread's state")
 
@@ -44,12 +59,13 @@ class CpuGatedDelta:
         """x [T, C] (rows may be strided) -> act(conv) [T, C] in x's dtype; conv_state
         [S, C, W-1] in x's dtype updated in place (causal_conv1d's meaning)."""
         c, w = self.weight.shape
-        if not (x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == c
-                and x.stride(1) == 1 and x.dtype in _IO_FORMATS
+        seqs = _seqs(state_slots, cu_seqlens, has_initial_state)
+        if not (seqs is not None and _on_cpu(x, conv_state) and x.dim() == 2
+                and x.shape[1] == c and x.stride(1) == 1 and x.dtype in _IO_FORMATS
                 and conv_state.dtype == x.dtype and conv_state.is_contiguous()
-                and tuple(conv_state.shape[1:]) == (c, w - 1)):
+                and tuple(conv_state.shape[1:]) == (c, w - 1) and 2 <= w <= 16):
             return None
-        slots, cu, has = _seqs(state_slots, cu_seqlens, has_initial_state)
+        slots, cu, has = seqs
         y = torch.empty(x.shape, dtype=x.dtype)
         rc = self.kernel.causal_conv1d_fn(
             x.data_ptr(), _IO_FORMATS[x.dtype], x.shape[0], c, x.stride(0),
@@ -68,7 +84,9 @@ class CpuGatedDelta:
         [T, Hv, Dv] in v's dtype (gated_delta_rule's meaning)."""
         t, hk, dk = q.shape
         hv, dv = v.shape[1:]
-        if not (v.device.type == "cpu" and q.dtype == k.dtype == v.dtype
+        seqs = _seqs(state_slots, cu_seqlens, has_initial_state)
+        if not (seqs is not None and _on_cpu(q, k, v, g, beta, state)
+                and q.dtype == k.dtype == v.dtype
                 and v.dtype in _IO_FORMATS and beta.dtype in _IO_FORMATS
                 and k.shape == q.shape and v.shape[0] == t
                 and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
@@ -77,7 +95,7 @@ class CpuGatedDelta:
                 and state.dtype == torch.float32 and state.is_contiguous()
                 and tuple(state.shape[1:]) == (hv, dk, dv) and hv % hk == 0):
             return None
-        slots, cu, has = _seqs(state_slots, cu_seqlens, has_initial_state)
+        slots, cu, has = seqs
         out = torch.empty(v.shape, dtype=v.dtype)
         rc = self.kernel.gated_delta_fn(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), _IO_FORMATS[v.dtype], t, q.stride(0),

@@ -129,6 +129,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
         k_cache, v_cache = batch.kv.layer(self.layer_idx)
+        qkv = None                      # (cpu_decode is bound only beside qkv_packed)
         if self.qkv_packed is not None:                               # [T, H*Dh] views
             qkv = self.qkv_packed(x)
             q, k, v = qkv.split(self.qkv_widths, dim=-1)
