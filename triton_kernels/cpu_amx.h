@@ -1,7 +1,7 @@
 /* What the AMX kernels share (cpu_amx.c: a prefill chunk's experts; cpu_amx_attention.c: a
- * prefill step's attention): FT_AMX (whether this build has AMX-BF16 and the AVX-512 it
- * uses), the tile state's request and configuration, bf16 widening and rounding, a vector
- * exp and a 16 x 16 32-bit transpose. */
+ * prefill step's attention; cpu_attention.c: a decode step's scores): FT_AMX (whether this build has AMX-BF16 and the AVX-512 it
+ * uses), the tile state's request and configuration, bf16 widening and rounding, vector
+ * exp and 2^x, and a 16 x 16 32-bit transpose. */
 #ifndef FT_CPU_AMX_H
 #define FT_CPU_AMX_H
 #include "cpu_dot.h"
@@ -77,6 +77,21 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* 2^x, ~1e-7 relative (a degree-5 polynomial on x - round(x), as Cephes' exp2f); x below
+ * -127 (-inf too) gives 2^-127, which the bf16 conversion takes for zero; from 128 inf. */
+static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f)), n);
 }
 
 /* 16 x 16 32-bit transpose in registers: r[i] lane j -> r[j] lane i. */

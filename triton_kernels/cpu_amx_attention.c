@@ -78,21 +78,6 @@ int64_t ft_attn_amx_scratch(const int32_t *cu, const int32_t *lens, int64_t b_co
 
 #if FT_AMX
 
-/* 2^x, ~1e-7 relative (a degree-5 polynomial on x - round(x), as Cephes' exp2f); x below
- * -127 (-inf too) gives 2^-127, which the bf16 conversion takes for zero; from 128 inf. */
-static inline __m512 exp2_16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f)), n);
-}
-
 struct attn {
     const uint16_t *q, *kc, *vc;
     const int32_t *tables, *cu, *lens;
