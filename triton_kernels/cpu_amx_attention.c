@@ -4,7 +4,7 @@
  *
  * Why: torch's path (paged_attention_reference: SDPA's CPU flash attention on gathered keys)
  * ran at ~210-340 GFLOP/s on a 2-core Xeon, and 55% of a 4096-token prefill of the bench
- * model; with gpt-oss's sinks it builds whole score matrices (~1 GFLOP/s). Here both products
+ * model; with gpt-oss's sinks it spells the softmax out in torch ops (~20 GFLOP/s). Here both products
  * run on tiles and the online softmax in AVX-512: 790-1000 GFLOP/s on the same box (2.8-4x
  * torch's on a whole 4096-token prompt, 1.4-1.9x on a 512-token chunk over the rest of one,
  * where torch's kernel is at its best; `python bench/cpu_attention.py`).
