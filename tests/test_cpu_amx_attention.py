@@ -221,3 +221,58 @@ def test_cpu_engine_layers_hand_prefill_steps_to_it(tiny_model_dir, monkeypatch)
         a.cpu_prefill = None
     assert llm.generate([[5, 17, 99, 3, 200, 7, 8, 9] * 5], params)[0].token_ids[0] \
         == got[0].token_ids[0]
+
+
+@pytest.mark.parametrize("length,new", [(300, 300), (300, 50), (256, 256)])
+def test_dense_sequences_as_mla_decompresses_them(length, new):
+    # K 192 / V 128 wide (DeepSeek's decompressed prefill), V a strided view of [K nope | V],
+    # L not a multiple of 16 (the keys padded to a whole tile) or one: against float64.
+    g = torch.Generator().manual_seed(7)
+    h, dk, dv = 4, 192, 128
+    q = torch.randn(new, h, dk, generator=g).bfloat16()
+    k = torch.randn(length, h, dk, generator=g).bfloat16()
+    kv = torch.randn(length, h, 128 + dv, generator=g).bfloat16()
+    v = kv[..., 128:]
+    att = tk.CpuPrefillAttention(kernel, (h, h), dk ** -0.5, None, None)
+    got = att.dense(q, k, v)
+    assert got is not None and got.shape == (new, h, dv)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * dk ** -0.5
+    pos = torch.arange(length - new, length)[:, None]
+    s = s.masked_fill(torch.arange(length)[None] > pos, float("-inf"))
+    exact = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v.double())
+    # torch's SDPA in bf16: for unequal widths its math path, float32 probabilities, so
+    # ~1.4x more exact than bf16 probabilities (this kernel's, torch's flash kernel's, HF's
+    # eager DeepSeek attention's) in the mean
+    mask = torch.arange(length)[None] <= pos
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, scale=dk ** -0.5)[0].transpose(0, 1)
+    err, sdpa_err = (got.double() - exact).abs(), (sdpa.double() - exact).abs()
+    assert err.max() <= 2 ** -7 * exact.abs().max() and err.mean() <= 1.6 * sdpa_err.mean()
+
+
+def test_mla_decompressed_prefill_takes_the_tiles():
+    from freetoken.models.layers.mla import MlaAttention, MlaConfig
+    from freetoken.models.rope import RopeTable
+    cfg = MlaConfig(hidden_size=64, num_heads=4, q_lora_rank=None, kv_lora_rank=32,
+                    qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=32)
+    rope = RopeTable({"rope_type": "default", "rope_theta": 10000.0}, cfg.qk_rope_head_dim)
+    rope.build(128, "cpu")
+    layer = MlaAttention(cfg, 0, rope).bfloat16()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    layer.bind_cpu()
+    assert layer.cpu_prefill is not None
+    cache = torch.randn(8, 16, cfg.kv_lora_rank + cfg.qk_rope_head_dim, generator=g).bfloat16()
+    table = torch.tensor([5, 2, 7, 0, 6], dtype=torch.int32)
+    for ctx, n in ((70, 70), (70, 20)):
+        q = torch.randn(n, cfg.num_heads, cfg.qk_head_dim, generator=g).bfloat16()
+        got = layer.attend_decompressed(q, cache, table, ctx)
+        tiles, layer.cpu_prefill = layer.cpu_prefill, None
+        want = layer.attend_decompressed(q, cache, table, ctx)         # torch's SDPA
+        layer.cpu_prefill = tiles
+        diff = (got.float() - want.float()).abs()
+        assert diff.max() <= 2 ** -6 * want.float().abs().max()
+        assert not torch.equal(got, want)                               # the tiles ran

@@ -51,8 +51,7 @@ class CpuPrefillAttention:
                 and k_cache.shape[:2] == v_cache.shape[:2] and q.shape[2] == k_cache.shape[3]
                 and k_cache.stride(3) == v_cache.stride(3) == 1):
             return None
-        t, _, dk = q.shape
-        dv = v_cache.shape[3]
+        t = q.shape[0]
         q = q.contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         b = lens.numel()
@@ -68,26 +67,8 @@ class CpuPrefillAttention:
         single = n_q == 1
         if bool(single.all()):
             return None             # a pure decode step: the caller's decode path
-        threads = torch.get_num_threads()
-        need = self.kernel.attn_amx_scratch(cu.data_ptr(), lens.data_ptr(), b, 2, self.hk, dk,
-                                            dv, self.window, threads, self.pack_bytes)
-        scratch = self.kernel.kept_buffer("attn_amx", need, torch.uint8)
-        out = q.new_empty(t, self.hq, dv)
-        rc = self.kernel.attn_amx_fn(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
-            *k_cache.stride()[:3], *v_cache.stride()[:3], tables.data_ptr(), tables.shape[1],
-            cu.data_ptr(), lens.data_ptr(), b, 2, self.hq, self.hk, dk, dv, k_cache.shape[1],
-            self.scale, self.window, 0 if self.sinks is None else self.sinks.data_ptr(),
-            threads, scratch.data_ptr(), need, self.pack_bytes, out.data_ptr())
-        if rc == -2:
-            raise ValueError(f"attention: a block table names a block outside the cache's "
-                             f"{k_cache.shape[0]}, or is shorter than a sequence")
-        if rc == -4:
-            raise MemoryError("attention: the AMX kernel's scratch was too small or its "
-                              "tables could not be allocated")
-        if rc == -1:
-            self.declined = True        # (no AMX: not asked again)
-        if rc != 0:
+        out = self._run(q, k_cache, v_cache, tables, cu, lens, k_cache.shape[1], 2)
+        if out is None:
             return None
         if bool(single.any()):
             # This step's decode rows on the reference's decode batch (float32
@@ -98,3 +79,50 @@ class CpuPrefillAttention:
                     rows.numel() + 1, dtype=torch.int32), lens[single], self.scale,
                 sliding_window=self.window or None, sinks=self.sinks)
         return out
+
+    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """One sequence's chunk q [n, Hq, Dk] at positions L-n..L-1, causal over its keys
+        k [L, Hk, Dk] and values v [L, Hk, Dv] as dense tensors (MLA's decompressed
+        prefill; the last dims contiguous, rows may be strided) -> [n, Hq, Dv], or None
+        where the kernel does not take these. The keys are one cache block, padded to a
+        whole 16-key tile (a copy where L is not a multiple of 16)."""
+        n, length = q.shape[0], k.shape[0]
+        if self.declined or not (
+                q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.dim() == k.dim()
+                == v.dim() == 3 and q.shape[1] == self.hq and k.shape[1] == v.shape[1]
+                == self.hk and q.shape[2] == k.shape[2] and v.shape[0] == length >= n >= 1
+                and k.stride(2) == v.stride(2) == 1):
+            return None
+        rows = -(-length // 16) * 16
+        if rows != length:
+            k = torch.cat([k, k.new_zeros(rows - length, *k.shape[1:])])
+        one = torch.tensor([[0]], dtype=torch.int32)
+        return self._run(q.contiguous(), k[None], v[None], one,
+                         torch.tensor([0, n], dtype=torch.int32),
+                         torch.tensor([length], dtype=torch.int32), rows, 1)
+
+    def _run(self, q, k_cache, v_cache, tables, cu, lens, block_size: int, min_q: int):
+        """The kernel on int32 tables / offsets / lengths, sequences of min_q new tokens and
+        more -> out [T, Hq, Dv] (the others' rows unwritten), or None where it declined."""
+        t, _, dk = q.shape
+        dv, b = v_cache.shape[3], lens.numel()
+        threads = torch.get_num_threads()
+        need = self.kernel.attn_amx_scratch(cu.data_ptr(), lens.data_ptr(), b, min_q, self.hk,
+                                            dk, dv, self.window, threads, self.pack_bytes)
+        scratch = self.kernel.kept_buffer("attn_amx", need, torch.uint8)
+        out = q.new_empty(t, self.hq, dv)
+        rc = self.kernel.attn_amx_fn(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+            *k_cache.stride()[:3], *v_cache.stride()[:3], tables.data_ptr(), tables.shape[1],
+            cu.data_ptr(), lens.data_ptr(), b, min_q, self.hq, self.hk, dk, dv, block_size,
+            self.scale, self.window, 0 if self.sinks is None else self.sinks.data_ptr(),
+            threads, scratch.data_ptr(), need, self.pack_bytes, out.data_ptr())
+        if rc == -2:
+            raise ValueError(f"attention: a block table names a block outside the cache's "
+                             f"{k_cache.shape[0]}, or is shorter than a sequence")
+        if rc == -4:
+            raise MemoryError("attention: the AMX kernel's scratch was too small or its "
+                              "tables could not be allocated")
+        if rc == -1:
+            self.declined = True        # (no AMX: not asked again)
+        return out if rc == 0 else None

@@ -62,9 +62,14 @@ def pack_for_cpu(model: nn.Module) -> int:
       pack_fused); where it does, they are not packed alone.
     - Projections a module names in its `matrix_only` (read as matrices, never called: MLA's
       kv_b_proj) are left as they are.
+    - A module with native calls to bind and no projections to pack together (MLA's prefill
+      attention) binds them in its `bind_cpu`.
     Returns the bytes added."""
     skip = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "matrix_only", ())}
     added = 0
+    for m in model.modules():
+        if hasattr(m, "bind_cpu"):
+            m.bind_cpu()
     for m in model.modules():
         if getattr(m, "cpu_fused", ()) and (n := m.pack_cpu()):
             added += n

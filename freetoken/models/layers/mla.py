@@ -89,6 +89,15 @@ class MlaAttention(nn.Module):
                                    bias=False)
         self._kv_b_decoded: torch.Tensor | None = None     # kv_b_weight() of a quantized kv_b_proj
         self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
+        self.cpu_prefill: tk.CpuPrefillAttention | None = None
+
+    def bind_cpu(self) -> None:
+        """CPU engine on an AMX CPU: the decompressed prefill's attention on AMX tiles
+        (cpu_amx_attention.py, CpuPrefillAttention.dense; linear.pack_for_cpu calls this)."""
+        kernel = tk.native_kernels()
+        if kernel is not None and tk.has_amx_bf16():
+            self.cpu_prefill = tk.CpuPrefillAttention(
+                kernel, (self.num_heads, self.num_heads), self.scale, None, None)
 
     def cache_spec(self) -> LatentSpec:
         return LatentSpec(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
@@ -200,6 +209,10 @@ class MlaAttention(nn.Module):
         k_pe = latent[:, None, c.kv_lora_rank:].expand(ctx, self.num_heads, c.qk_rope_head_dim)
         k = torch.cat([kv[..., :c.qk_nope_head_dim], k_pe], dim=-1)      # [ctx, H, N+R]
         v = kv[..., c.qk_nope_head_dim:]                                  # [ctx, H, V]
+        if self.cpu_prefill is not None:        # None where it does not take these
+            o = self.cpu_prefill.dense(q, k, v)
+            if o is not None:
+                return o
         # Query i (position ctx-n+i) sees keys 0..ctx-n+i: causal aligned to the lower right,
         # which SDPA's fused kernels take without an [n, ctx] mask in memory.
         # (Imported here: torch.nn.attention.bias pulls in torch._dynamo, 2 s of every start.)
