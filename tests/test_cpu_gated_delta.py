@@ -108,35 +108,36 @@ def test_native_ops_decline_and_refuse():
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
 def test_cpu_engine_linear_attention_runs_native(tiny_model_dir, family, monkeypatch):
-    # Every step of every Gated DeltaNet layer (the prefill and each decode) runs both ops
-    # natively, and its output is the torch path's on the same input and state (each path
-    # from a copy of the state): the difference's norm within a bf16 step of the output's.
+    # Every step of every Gated DeltaNet layer runs natively: the prefill through both
+    # sequence ops, each decode through the whole-layer decode call (GdnDecodeCall). Its
+    # output and the pools it leaves are the torch path's on the same input and state (each
+    # path from a copy of the state): the difference's norm within a bf16 step of the output's.
     from freetoken import LLM, SamplingParams
     from freetoken.models.layers.linear_attention import GatedDeltaNet
     llm = LLM(str(tiny_model_dir(family, seed=2)), skip_tokenizer_init=True,
               dtype="bfloat16", enforce_eager=True)
     layers = [m for m in llm.runner.model.modules() if isinstance(m, GatedDeltaNet)]
     assert layers and all(m.cpu_native is not None and m.proj_packed is not None
-                          for m in layers)
+                          and m.cpu_decode is not None for m in layers)
     calls = []
-    for name in ("conv1d", "rule"):
-        fn = getattr(tk.CpuGatedDelta, name)
-        monkeypatch.setattr(tk.CpuGatedDelta, name,
-                            lambda self, *a, fn=fn, name=name, **kw: calls.append(name)
-                            or fn(self, *a, **kw))
+    for cls, name in ((tk.CpuGatedDelta, "conv1d"), (tk.CpuGatedDelta, "rule"),
+                      (tk.GdnDecodeCall, "__call__")):
+        fn = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, fn=fn, name=name, **kw:
+                            calls.append(name) or fn(self, *a, **kw))
     checked = []
     for m in layers:
-        native, forward = m.cpu_native, m.forward
+        native, decode, forward = m.cpu_native, m.cpu_decode, m.forward
 
-        def both(x, batch, m=m, native=native, forward=forward):
+        def both(x, batch, m=m, native=native, decode=decode, forward=forward):
             pools = batch.kv.layer(m.layer_idx)
             start = [p.clone() for p in pools]
-            m.cpu_native = None
+            m.cpu_native = m.cpu_decode = None
             want = forward(x, batch)
             after = [p.clone() for p in pools]
             for p, s in zip(pools, start):
                 p.copy_(s)
-            m.cpu_native = native
+            m.cpu_native, m.cpu_decode = native, decode
             got = forward(x, batch)
             checked.append(max(float((got.float() - want.float()).norm()
                                      / want.float().norm()),
@@ -146,6 +147,14 @@ def test_cpu_engine_linear_attention_runs_native(tiny_model_dir, family, monkeyp
         m.forward = both
     llm.generate([[5, 17, 99, 3, 200, 7, 8, 9, 10, 11]],
                  SamplingParams(max_tokens=4, temperature=0))
-    # the prefill and 3 decodes, every layer, both ops natively
-    assert calls.count("conv1d") == calls.count("rule") == len(checked) == 4 * len(layers)
+    # every layer: the prefill through both ops, 3 decodes through the decode call
+    assert calls.count("conv1d") == calls.count("rule") == len(layers)
+    assert calls.count("__call__") == 3 * len(layers) and len(checked) == 4 * len(layers)
+    # A one-token prompt's prefill is a step of one token a sequence too: the decode call
+    # takes it, from zeros (no state yet), whatever the slot held before.
+    for m in layers:
+        for p in llm.runner.kv.layer(m.layer_idx):
+            p.normal_()
+    llm.generate([[42]], SamplingParams(max_tokens=2, temperature=0))
+    assert calls.count("conv1d") == len(layers) and calls.count("__call__") == 5 * len(layers)
     assert max(checked) <= 2 ** -8, checked

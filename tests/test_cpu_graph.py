@@ -58,11 +58,16 @@ def quantized(tiny_model_dir, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_moe", "bfloat16"), ("mixtral", "bfloat16"),
-                                          ("gpt_oss", "bfloat16"), ("qwen3_moe", "float16")])
+                                          ("gpt_oss", "bfloat16"), ("qwen3_moe", "float16"),
+                                          ("qwen2_moe", "bfloat16"), ("qwen3_next", "bfloat16"),
+                                          ("qwen3_5_moe", "float16")])
 def test_program_steps_give_the_modules_bits(tiny_model_dir, family, dtype):  # noqa: F811
     # gpt-oss: sliding window and sinks on alternate layers, biased projections and
-    # experts, swiglu_oai, the router's weights rounded to bf16. Nine prompts of 2 to 10
-    # new tokens: the first steps (9 sequences) are the modules', from 7 down the program's.
+    # experts, swiglu_oai, the router's weights rounded to bf16. qwen2_moe: q/k/v biases,
+    # a shared expert scaled by its sigmoid gate. qwen3_next / qwen3_5_moe: Gated DeltaNet
+    # layers (their recurrent state in the slots the program copies in), gated attention,
+    # shared experts. Nine prompts of 2 to 10 new tokens: the first steps (9 sequences) are
+    # the modules', from 7 down the program's.
     path = str(tiny_model_dir(family, seed=3, **SHAPE))
     ids = prompts(9)
     params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=0, logprobs=3)
@@ -87,15 +92,16 @@ def test_quantized_program_steps_give_the_modules_bits(quantized, quant):
 
 
 def test_models_the_calls_do_not_cover_run_the_modules(tiny_model_dir):  # noqa: F811
-    # qwen2_moe's shared expert: not in the program, so its engine builds none and says why
-    path = str(tiny_model_dir("qwen2_moe", seed=1, **SHAPE))
+    # glm4_moe's grouped sigmoid router: not in the program, so its engine builds none and
+    # says why
+    path = str(tiny_model_dir("glm4_moe", seed=1, **SHAPE))
     llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
     assert llm.runner.cpu_graph is None
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].token_ids) == 3
     from freetoken.engine.cpu_graph import CpuDecodeGraph
     graph, why = CpuDecodeGraph.build(llm.runner.model, llm.runner.kv, 32)
-    assert graph is None and "routed experts alone" in why
+    assert graph is None and "not a native top-k" in why
     # and a float32 model has no 16-bit native calls to record
     graph, why = CpuDecodeGraph.build(LLM(path, skip_tokenizer_init=True).runner.model, None, 32)
     assert graph is None and "float32" in why

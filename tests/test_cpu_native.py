@@ -442,3 +442,51 @@ def test_a_runtime_without_the_compilers_symbols_falls_back_to_fopenmp(monkeypat
     if shutil.which("readelf"):      # linked by -fopenmp: the compiler's own runtime
         dynamic = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
         assert "gomp" in dynamic and "libm" in dynamic
+
+
+# ---- cpu_gates.c: the elementwise steps between products ------------------------------------
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The most 16-bit steps between two tensors of one 16-bit dtype (the same sign)."""
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_native_gates_round_as_torchs_ops(dtype, t, threads):
+    # Each step rounded where torch's ops on 16-bit tensors round: the same bits but where
+    # torch's vectorized exp and the C library's differ in a float32 value's last place and
+    # that moves a rounding (one 16-bit step, rarely).
+    kernel = tk.native_kernels()
+    g = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, 2 * 96, generator=g) * 3).to(dtype)
+    want = (torch.nn.functional.silu(x[:, :96]) * x[:, 96:])
+    got = on_1_to_3_threads(threads, lambda: kernel.silu_mul(x))
+    assert got.dtype == dtype and ulps_apart(got, want) <= 1
+    assert (got == want).float().mean() > 0.99
+    # the attention output's gate: q_proj's [q | gate] per head ahead of k and v in the row
+    heads, dh = 3, 32
+    qkv = (torch.randn(t, heads * 2 * dh + 40, generator=g) * 3).to(dtype)
+    o = torch.randn(t, heads * dh, generator=g).to(dtype)
+    gate = qkv[:, :heads * 2 * dh].view(t, heads, 2, dh)[:, :, 1].reshape(t, -1)
+    want = o * torch.sigmoid(gate)
+    got = on_1_to_3_threads(threads, lambda: kernel.sigmoid_gate(o.clone(), qkv, heads, dh))
+    assert ulps_apart(got, want) <= 1 and (got == want).float().mean() > 0.99
+    # a shared expert's add: gated by sigmoid(logit), or not
+    h, y = (torch.randn(t, 64, generator=g).to(dtype) for _ in range(2))
+    logit = (torch.randn(t, 1, generator=g) * 4).to(dtype)
+    want = h + torch.sigmoid(logit) * y
+    got = on_1_to_3_threads(threads, lambda: kernel.add_gated(h.clone(), y, logit))
+    assert ulps_apart(got, want) <= 1 and (got == want).float().mean() > 0.99
+    assert torch.equal(kernel.add_gated(h.clone(), y), h + y)
+
+
+def test_native_gates_refuse_bad_shapes():
+    kernel = tk.native_kernels()
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="silu_mul"):
+        kernel.silu_mul_op(x, torch.empty(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="one 16-bit or float32 dtype"):
+        kernel.add_gated(x, x.half())
+    with pytest.raises(ValueError, match="cannot hold"):
+        kernel.sigmoid_gate(torch.empty(2, 8, dtype=torch.bfloat16), x, 2, 4)

@@ -11,7 +11,9 @@
  * batch-1 decode step, for well under 0.05 ms of arithmetic.
  *
  * Shapes (B sequences of one query each; Hq, Hk heads of Dh; R rotary dims <= Dh):
- *   qkv [B, (Hq + 2 Hk) Dh] in fmt (q heads, then k, then v: the fused projection's output);
+ *   qkv [B, (Hq + 2 Hk) Dh] in fmt (q heads, then k, then v: the fused projection's output;
+ *   gated: [B, (2 Hq + 2 Hk) Dh], each q head followed by its output gate's Dh, which the
+ *   caller applies after: ft_sigmoid_gate);
  *   q_norm, k_norm [Dh] f32 (the scale, offset applied) or NULL; cos_sin [P, R] f32 (cos of
  *   the R/2 pairs, then sin); pos [B] i64; k_cache, v_cache [NB, BS, Hk, Dh] in cfmt; slots
  *   [B] i64 (block * BS + offset: the new token's; -1 writes nothing); tables [B, M] i32;
@@ -299,11 +301,11 @@ int ft_attn_decode_tiles(int fmt, int cfmt, int64_t dh, int64_t bs) {
 int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_t hk,
                    int64_t dh, const float *q_norm, const float *k_norm, float eps,
                    const float *cos_sin, int64_t n_pos, int64_t r, int interleaved,
-                   const int64_t *pos, void *k_cache, void *v_cache, int cfmt, int64_t nb,
+                   int gated, const int64_t *pos, void *k_cache, void *v_cache, int cfmt, int64_t nb,
                    int64_t bs, const int64_t *slots, const int32_t *tables, int64_t max_blocks,
                    const int32_t *lens, int64_t window, const float *sinks, float scale,
                    int threads, float *q_scratch, void *out) {
-    const int64_t width = (hq + 2 * hk) * dh;
+    const int64_t qw = gated ? 2 * dh : dh, width = hq * qw + 2 * hk * dh;
     int64_t longest = 1;
     for (int64_t b = 0; b < b_count; b++) {       /* every index checked before any is used */
         if (lens[b] < 1 || (lens[b] - 1) / bs >= max_blocks || pos[b] < 0 || pos[b] >= n_pos
@@ -375,7 +377,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
             for (int64_t item = 0; item < b_count * (hq + hk); item++) {
                 int64_t b = item / (hq + hk), head = item % (hq + hk);
                 const float *cs = cos_sin + pos[b] * r;
-                int64_t base = b * width + head * dh;
+                int64_t base = b * width + (head < hq ? head * qw : hq * qw + (head - hq) * dh);
                 for (int64_t d = 0; d < dh; d++)
                     h[d] = load_as(qkv, base + d, fmt);
                 if (head < hq) {
@@ -386,7 +388,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                     int64_t kv = head - hq;
                     norm_rope(h, dh, k_norm, eps, cs, r, interleaved);
                     int64_t at = (slots[b] * hk + kv) * dh;
-                    int64_t vbase = b * width + (hq + hk + kv) * dh;
+                    int64_t vbase = b * width + hq * qw + (hk + kv) * dh;
                     for (int64_t d = 0; d < dh; d++) {
                         st(k_cache, at + d, round_to(h[d], fmt), cfmt);
                         st(v_cache, at + d, load_as(qkv, vbase + d, fmt), cfmt);

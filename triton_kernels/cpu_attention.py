@@ -18,20 +18,21 @@ from triton_kernels.cpu_native import NativeKernels
 class CpuDecodeAttention:
     """What one layer's step needs besides the batch, formed once: heads (Hq, Hk, Dh), the q
     and k norms' scales ([Dh] float32, their offset applied; None: no norm), the softmax
-    scale, the window and the sinks ([Hq] float32 or None)."""
+    scale, the window and the sinks ([Hq] float32 or None); gated: q_proj yields [q | gate]
+    per head (Qwen3-Next/3.5), the output multiplied by sigmoid(gate) after (cpu_gates.c)."""
 
     def __init__(self, kernel: NativeKernels, heads: tuple[int, int, int],
                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                  scale: float, window: int | None, sinks: torch.Tensor | None,
-                 interleaved: bool):
+                 interleaved: bool, gated: bool = False):
         self.kernel, self.heads, self.eps, self.scale = kernel, heads, eps, scale
         self.q_norm, self.k_norm = (None if w is None else w.detach().float().contiguous()
                                     for w in (q_norm, k_norm))
         self.sinks = None if sinks is None else sinks.detach().float().contiguous()
-        self.window, self.interleaved = window, interleaved
+        self.window, self.interleaved, self.gated = window, interleaved, gated
         # the kernel call with these constants, checked once (cpu_native.AttnCall)
         self.call = kernel.bind_attn(heads, self.q_norm, self.k_norm, eps, interleaved, window,
-                                     self.sinks, scale)
+                                     self.sinks, scale, gated)
 
     def takes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether the call reads and writes these caches (cpu_native.AttnCall.takes: 16-bit
@@ -41,6 +42,12 @@ class CpuDecodeAttention:
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """qkv [B, (Hq + 2Hk) Dh] -> attention output [B, Hq Dh] in qkv's dtype."""
-        return self.call(qkv.contiguous(), cos_sin, positions, k_cache, v_cache, slot_mapping,
-                         block_tables, seq_lens)
+        """qkv [B, (Hq + 2Hk) Dh] ([B, (2Hq + 2Hk) Dh] gated) -> attention output [B, Hq Dh]
+        in qkv's dtype."""
+        qkv = qkv.contiguous()
+        o = self.call(qkv, cos_sin, positions, k_cache, v_cache, slot_mapping, block_tables,
+                      seq_lens)
+        if self.gated:
+            hq, _, dh = self.heads
+            self.kernel.sigmoid_gate(o, qkv, hq, dh)
+        return o

@@ -7,6 +7,9 @@ order of sums: the same math in float32, token by token, rounded once to the act
 dtype. The references ran torch ops per token and layer: a bench-shaped Qwen3-Next (hidden
 1024, 12 layers, 9 of them linear attention) prefilled 4096 tokens at ~880 tok/s and decoded
 at 32 ms a token on 2 cores, against Qwen3-MoE's 2440 and 12.4 at the same shape.
+A decode step (one new token a sequence) runs the whole layer between its projections in
+one call instead (GdnDecodeCall, ft_gdn_decode: the conv's update, the gates, the rule and
+the gated RMSNorm), which a CPU engine's decode program records (engine/cpu_graph.py).
 Where a call does not take its tensors (any not on the CPU, a dtype the kernels do not read,
 layouts other than the layer's, a conv wider than 16) it returns None and the caller keeps
 the reference; slots outside the pool or named twice, and offsets outside the batch, raise.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_kernels.cpu_native import _IO_FORMATS, NativeKernels
+from triton_kernels.cpu_native import _IO_FORMATS, OP_GDN, NativeKernels, Op, _rows
 
 
 def _seqs(state_slots, cu_seqlens, has_initial_state):
@@ -104,4 +107,87 @@ class CpuGatedDelta:
             slots.numel(), hk, hv, dk, dv, scale, int(use_qk_l2norm), torch.get_num_threads(),
             out.data_ptr())
         _raise(rc, "gated delta rule")
+        return out
+
+
+class GdnDecodeCall:
+    """A layer's decode step between its projections (ft_gdn_decode), its constants checked
+    and held once: (proj [B, P], conv_state, state, slots [B] int32, has [B] uint8) -> out
+    [B, Hv Dv] in proj's dtype. lay: where q, k, v, z, b and a lie in a projection row
+    (cpu_gated_delta.c's twelve offsets and strides); heads (Hk, Hv, Dk, Dv)."""
+
+    def __init__(self, kernel: NativeKernels, conv_weight: torch.Tensor, lay: tuple[int, ...],
+                 width: int, heads: tuple[int, int, int, int], decay_a: torch.Tensor,
+                 dt_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, scale: float):
+        hk, hv, dk, dv = heads
+        self.fn, self.heads, self.width, self.eps, self.scale = (
+            kernel.gdn_decode_fn, heads, width, eps, scale)
+        self.conv_w = conv_weight.detach().float().contiguous()
+        self.lay = torch.tensor(lay, dtype=torch.int64)
+        self.decay_a, self.dt_bias = (t.detach().float().contiguous() for t in (decay_a, dt_bias))
+        self.norm_w = norm_weight.detach().contiguous()
+        r = hv // hk if hk > 0 and hv % hk == 0 else 0
+        q0, qh, k0, kh, v0, vh, z0, zh, b0, bh, a0, ah = lay
+        ends = (q0 + (hk - 1) * qh + dk, k0 + (hk - 1) * kh + dk, v0 + (hk - 1) * vh + r * dv,
+                z0 + (hk - 1) * zh + r * dv, b0 + (hk - 1) * bh + r, a0 + (hk - 1) * ah + r)
+        self.c = 2 * hk * dk + hv * dv
+        if not (r and len(lay) == 12 and min(lay) >= 0 and max(ends) <= width
+                and tuple(self.conv_w.shape[:1]) == (self.c,) and 2 <= self.conv_w.shape[1] <= 16
+                and self.decay_a.shape == self.dt_bias.shape == (hv,)
+                and self.norm_w.shape == (dv,) and self.norm_w.dtype in _IO_FORMATS):
+            raise ValueError(f"native Gated DeltaNet decode: heads {heads} (Hv a multiple of "
+                             f"Hk), a layout inside rows of {width} (got {lay}), a conv weight "
+                             f"[{self.c}, 2..16], decay and dt_bias [{hv}], a norm weight [{dv}] "
+                             f"expected")
+
+    def takes(self, conv_state: torch.Tensor, state: torch.Tensor) -> bool:
+        """Whether the call reads and writes these pools: conv [S, C, W-1] in the norm
+        weight's dtype (the model's), state [S, Hv, Dk, Dv] float32, contiguous, on the CPU."""
+        hk, hv, dk, dv = self.heads
+        return (conv_state.dtype == self.norm_w.dtype and conv_state.is_contiguous()
+                and conv_state.dim() == 3
+                and tuple(conv_state.shape[1:]) == (self.c, self.conv_w.shape[1] - 1)
+                and state.dtype == torch.float32 and state.is_contiguous() and state.dim() == 4
+                and tuple(state.shape[1:]) == (hv, dk, dv)
+                and state.shape[0] == conv_state.shape[0]
+                and conv_state.device.type == state.device.type == "cpu")
+
+    def _check(self, proj, conv_state, state, slots, has, rows: int) -> None:
+        hk, hv, dk, dv = self.heads
+        w = self.conv_w.shape[1]
+        _rows("Gated DeltaNet projections", proj, rows, self.width, (self.norm_w.dtype,))
+        _rows("state slots", slots, rows, None, (torch.int32,))
+        _rows("has-state flags", has, rows, None, (torch.uint8,))
+        if not self.takes(conv_state, state):
+            raise ValueError(f"native Gated DeltaNet decode: pools [S, {self.c}, {w - 1}] in "
+                             f"{proj.dtype} and [S, {hv}, {dk}, {dv}] float32 expected, got "
+                             f"{tuple(conv_state.shape)} {conv_state.dtype} and "
+                             f"{tuple(state.shape)} {state.dtype}")
+
+    def op(self, proj: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
+           slots: torch.Tensor, has: torch.Tensor, out: torch.Tensor) -> Op:
+        """This call as a program's op over R sequences (buffers [R, ..])."""
+        hk, hv, dk, dv = self.heads
+        r = proj.shape[0]
+        self._check(proj, conv_state, state, slots, has, r)
+        _rows("Gated DeltaNet out", out, r, hv * dv, (proj.dtype,))
+        return Op(OP_GDN, r, (
+            proj.data_ptr(), _IO_FORMATS[proj.dtype], self.width, self.lay.data_ptr(),
+            self.conv_w.data_ptr(), self.conv_w.shape[1], conv_state.data_ptr(),
+            state.data_ptr(), state.shape[0], slots.data_ptr(), has.data_ptr(),
+            self.decay_a.data_ptr(), self.dt_bias.data_ptr(), self.norm_w.data_ptr(), hk, hv,
+            dk, dv, out.data_ptr()), (self.eps, self.scale),
+            (self, proj, conv_state, state, slots, has, out))
+
+    def __call__(self, proj: torch.Tensor, conv_state: torch.Tensor, state: torch.Tensor,
+                 slots: torch.Tensor, has: torch.Tensor) -> torch.Tensor:
+        hk, hv, dk, dv = self.heads
+        proj = proj.contiguous()
+        out = torch.empty(proj.shape[0], hv * dv, dtype=proj.dtype)
+        op = self.op(proj, conv_state, state, slots.to(torch.int32).contiguous(),
+                     has.to(torch.uint8).contiguous(), out)
+        a = op.ints
+        rc = self.fn(*a[:2], op.rows, *a[2:14], op.floats[0], *a[14:18], op.floats[1],
+                     torch.get_num_threads(), a[18])
+        _raise(rc, "Gated DeltaNet decode")
         return out

@@ -11,7 +11,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
 int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_t hk,
                    int64_t dh, const float *q_norm, const float *k_norm, float eps,
                    const float *cos_sin, int64_t n_pos, int64_t r, int interleaved,
-                   const int64_t *pos, void *k_cache, void *v_cache, int cfmt, int64_t nb,
+                   int gated, const int64_t *pos, void *k_cache, void *v_cache, int cfmt, int64_t nb,
                    int64_t bs, const int64_t *slots, const int32_t *tables, int64_t max_blocks,
                    const int32_t *lens, int64_t window, const float *sinks, float scale,
                    int threads, float *q_scratch, void *out);
@@ -35,6 +35,18 @@ int ft_moe_amx(const uint16_t *x, const int64_t *ids, const int64_t *slot_map, i
                const uint16_t *b13, const uint16_t *b2, int64_t slots, int64_t d,
                int64_t width, int kind, float alpha, float limit, int threads, void *scratch,
                uint16_t *out);
+int ft_gdn_decode(const void *proj, int fmt, int64_t b_count, int64_t ps, const int64_t *lay,
+                  const float *conv_w, int64_t width, void *conv_pool, float *pool,
+                  int64_t n_slots, const int32_t *slots, const uint8_t *has,
+                  const float *decay_a, const float *dt_bias, const void *norm_w, float eps,
+                  int64_t hk, int64_t hv, int64_t dk, int64_t dv, float scale, int threads,
+                  void *out);
+void ft_silu_mul(const void *x, int fmt, int64_t t_count, int64_t n, int64_t xs, void *out,
+                 int threads);
+void ft_sigmoid_gate(void *o, const void *g, int fmt, int64_t t_count, int64_t heads,
+                     int64_t dh, int64_t gs, int64_t ghs, int threads);
+void ft_add_gated(void *h, const void *y, const void *gl, int64_t gls, int fmt,
+                  int64_t t_count, int64_t d, int threads);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
 
 #endif

@@ -49,7 +49,7 @@ log = logging.getLogger("freetoken.kernels")
 _HERE = Path(__file__).parent
 # compiled together into one library
 _SOURCES = ("cpu_moe.c", "cpu_amx.c", "cpu_amx_attention.c", "cpu_linear.c", "cpu_attention.c",
-            "cpu_norm.c", "cpu_route.c", "cpu_program.c", "cpu_gated_delta.c")
+            "cpu_norm.c", "cpu_route.c", "cpu_program.c", "cpu_gated_delta.c", "cpu_gates.c")
 _HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
@@ -106,8 +106,8 @@ class NativeKernels:
         fn.restype = c_int
         self._attn_decode_tiles = fn
         fn = lib.ft_attn_decode
-        fn.argtypes = [p, c_int, i64, i64, i64, i64, p, p, c_float, p, i64, i64, c_int, p, p,
-                       p, c_int, i64, i64, p, p, i64, p, i64, p, c_float, c_int, p, p]
+        fn.argtypes = [p, c_int, i64, i64, i64, i64, p, p, c_float, p, i64, i64, c_int, c_int,
+                       p, p, p, c_int, i64, i64, p, p, i64, p, i64, p, c_float, c_int, p, p]
         fn.restype = c_int
         self._attn_decode = fn
         fn = lib.ft_causal_conv1d      # cpu_gated_delta.c: Gated DeltaNet's sequence ops
@@ -119,6 +119,23 @@ class NativeKernels:
                        i64, i64, i64, i64, c_float, c_int, c_int, p]
         fn.restype = c_int
         self.gated_delta_fn = fn
+        fn = lib.ft_gdn_decode
+        fn.argtypes = [p, c_int, i64, i64, p, p, i64, p, p, i64, p, p, p, p, p, c_float, i64,
+                       i64, i64, i64, c_float, c_int, p]
+        fn.restype = c_int
+        self.gdn_decode_fn = fn
+        fn = lib.ft_silu_mul            # cpu_gates.c: the elementwise steps between products
+        fn.argtypes = [p, c_int, i64, i64, i64, p, c_int]
+        fn.restype = None
+        self._silu_mul = fn
+        fn = lib.ft_sigmoid_gate
+        fn.argtypes = [p, p, c_int, i64, i64, i64, i64, i64, c_int]
+        fn.restype = None
+        self._sigmoid_gate = fn
+        fn = lib.ft_add_gated
+        fn.argtypes = [p, p, p, i64, c_int, i64, i64, c_int]
+        fn.restype = None
+        self._add_gated = fn
         fn = lib.ft_rms_norm
         fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, c_int]
         fn.restype = None
@@ -316,9 +333,11 @@ class NativeKernels:
 
     def bind_attn(self, heads: tuple[int, int, int], q_norm, k_norm, eps: float,
                   interleaved: bool, window: int | None, sinks: torch.Tensor | None,
-                  scale: float) -> AttnCall:
+                  scale: float, gated: bool = False) -> AttnCall:
         """attn_decode's layer constants checked and held once: the returned call takes the
-        batch's tensors and the caches."""
+        batch's tensors and the caches. gated: each q head of qkv is followed by its output
+        gate's Dh values (Qwen3-Next/3.5's q_proj), which the call skips (sigmoid_gate
+        applies them)."""
         hq, hk, dh = heads
         f32 = torch.float32
         if not (hq >= hk > 0 and hq % hk == 0 and dh > 0 and all(
@@ -328,7 +347,7 @@ class NativeKernels:
             raise ValueError(f"native decode attention: heads (Hq, Hk, Dh) with Hk dividing Hq "
                              f"and float32 norms [Dh] / sinks [Hq] expected, got {heads}")
         return AttnCall(self._attn_decode, heads, q_norm, k_norm, eps, interleaved,
-                        window or 0, sinks, scale)
+                        window or 0, sinks, scale, gated)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
@@ -377,9 +396,79 @@ class NativeKernels:
                             2 if round_to is None else _FORMATS[round_to]), (),
                   (logits, weights, ids))
 
+    # ---- cpu_gates.c: the elementwise steps between products --------------------------------
+    # Each takes its tensors (16-bit or float32, one dtype, contiguous rows) and, as an op,
+    # a program's buffers of the same shapes.
+
+    def _gate_args(self, what: str, *pairs) -> int:
+        """The io format of (tensor, [rows, width]) pairs in one dtype, or ValueError."""
+        dtypes = {t.dtype for t, _ in pairs}
+        if not (len(dtypes) == 1 and pairs[0][0].dtype in _IO_FORMATS and all(
+                t.dim() == 2 and tuple(t.shape) == tuple(shape) and t.is_contiguous()
+                and t.device.type == "cpu" for t, shape in pairs)):
+            raise ValueError(f"native {what}: " + ", ".join(
+                f"{list(shape)}" for _, shape in pairs) + " contiguous on the CPU in one "
+                f"16-bit or float32 dtype expected, got " + ", ".join(
+                f"{tuple(t.shape)} {t.dtype}" for t, _ in pairs))
+        return _IO_FORMATS[pairs[0][0].dtype]
+
+    def silu_mul_op(self, x: torch.Tensor, out: torch.Tensor) -> Op:
+        """SwiGLU: x [T, 2N] (a gate/up product's output: g, then u) -> out [T, N] =
+        round(round(silu(g)) u), HF's `act(gate) * up` on 16-bit tensors."""
+        t, n = out.shape
+        fmt = self._gate_args("silu_mul", (x, (t, 2 * n)), (out, (t, n)))
+        return Op(OP_SILU_MUL, t, (x.data_ptr(), fmt, n, 2 * n, out.data_ptr()), (), (x, out))
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+        op = self.silu_mul_op(x.contiguous(), out)         # x, fmt, n, xs, out
+        a = op.ints
+        self._silu_mul(a[0], a[1], op.rows, *a[2:], torch.get_num_threads())
+        return out
+
+    def sigmoid_gate_op(self, o: torch.Tensor, qkv: torch.Tensor, heads: int,
+                        dh: int) -> Op:
+        """The attention output's gate, in place: o [T, H Dh] *= sigmoid(gate), head h's gate
+        at qkv[:, h 2Dh + Dh:][:Dh] (q_proj's [q | gate] per head, first in qkv's rows)."""
+        t, w = qkv.shape
+        fmt = self._gate_args("sigmoid_gate", (o, (t, heads * dh)), (qkv, (t, w)))
+        if w < heads * 2 * dh:
+            raise ValueError(f"native sigmoid_gate: qkv rows of {w} cannot hold {heads} "
+                             f"heads of q and gate of {dh}")
+        gate = qkv.data_ptr() + dh * qkv.element_size()
+        return Op(OP_SIGMOID_GATE, t, (o.data_ptr(), gate, fmt, heads, dh, w, 2 * dh), (),
+                  (o, qkv))
+
+    def sigmoid_gate(self, o: torch.Tensor, qkv: torch.Tensor, heads: int,
+                     dh: int) -> torch.Tensor:
+        op = self.sigmoid_gate_op(o, qkv.contiguous(), heads, dh)   # o, g, fmt, heads, ...
+        a = op.ints
+        self._sigmoid_gate(*a[:3], op.rows, *a[3:], torch.get_num_threads())
+        return o
+
+    def add_gated_op(self, h: torch.Tensor, y: torch.Tensor,
+                     gate: torch.Tensor | None = None) -> Op:
+        """h [T, D] += y [T, D], or += sigmoid(gate) y with gate [T, 1] (a shared expert's
+        gate logit), in place, each step rounded as HF's ops on 16-bit tensors."""
+        t, d = h.shape
+        pairs = [(h, (t, d)), (y, (t, d))] + ([] if gate is None else [(gate, (t, 1))])
+        fmt = self._gate_args("add_gated", *pairs)
+        return Op(OP_ADD_GATED, t, (h.data_ptr(), y.data_ptr(),
+                                    0 if gate is None else gate.data_ptr(), 1, fmt, d), (),
+                  (h, y, gate))
+
+    def add_gated(self, h: torch.Tensor, y: torch.Tensor,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+        op = self.add_gated_op(h, y.contiguous(), None if gate is None else gate.contiguous())
+        a = op.ints                                         # h, y, gl, gls, fmt, d
+        self._add_gated(*a[:5], op.rows, a[5], torch.get_num_threads())
+        return h
+
+
 
 # cpu_program.c's op kinds
-OP_RMS_NORM, OP_LINEAR, OP_ATTN, OP_TOPK, OP_MOE = range(5)
+(OP_RMS_NORM, OP_LINEAR, OP_ATTN, OP_TOPK, OP_MOE, OP_GDN, OP_SILU_MUL, OP_SIGMOID_GATE,
+ OP_ADD_GATED) = range(9)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -518,9 +607,12 @@ class AttnCall:
     lens) -> [B, Hq Dh]. The caches are checked once each pair (the engine's are the same
     every step), the batch's tensors every call; every index is checked in C."""
 
-    def __init__(self, fn, heads, q_norm, k_norm, eps, interleaved, window, sinks, scale):
+    def __init__(self, fn, heads, q_norm, k_norm, eps, interleaved, window, sinks, scale, gated):
         self.fn, self.heads, self.held = fn, heads, (q_norm, k_norm, sinks)
         self.eps, self.interleaved, self.window, self.scale = eps, int(interleaved), window, scale
+        hq, hk, dh = heads
+        self.gated = int(gated)
+        self.width = (hq * (2 if gated else 1) + 2 * hk) * dh      # qkv's row
         self.ptrs = [0 if t is None else t.data_ptr() for t in (q_norm, k_norm, sinks)]
         self.caches = None                  # the last pair that passed its checks
 
@@ -552,7 +644,7 @@ class AttnCall:
         b = qkv.shape[0]
         self._check_caches(k_cache, v_cache)
         i64, i32 = torch.int64, torch.int32
-        if not (qkv.dim() == 2 and qkv.shape[1] == (hq + 2 * hk) * dh and qkv.is_contiguous()
+        if not (qkv.dim() == 2 and qkv.shape[1] == self.width and qkv.is_contiguous()
                 and qkv.dtype in _IO_FORMATS and qkv.device.type == "cpu"
                 and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
                 and cos_sin.dim() == 2 and cos_sin.shape[1] <= dh and cos_sin.shape[1] % 2 == 0
@@ -561,7 +653,7 @@ class AttnCall:
                 and tables.dim() == 2 and tables.shape[0] == b and tables.is_contiguous()
                 and positions.device.type == slots.device.type == lens.device.type
                 == tables.device.type == cos_sin.device.type == "cpu"):
-            raise ValueError(f"native decode attention: qkv [B, (Hq + 2Hk) Dh] and caches "
+            raise ValueError(f"native decode attention: qkv [B, {self.width}] and caches "
                              f"[NB, BS, Hk, Dh] expected for heads {self.heads}, got qkv "
                              f"{tuple(qkv.shape)} {qkv.dtype}, caches {tuple(k_cache.shape)} "
                              f"{k_cache.dtype}")
@@ -572,7 +664,7 @@ class AttnCall:
         rc = self.fn(
             qkv.data_ptr(), _IO_FORMATS[qkv.dtype], b, hq, hk, dh, self.ptrs[0], self.ptrs[1],
             self.eps, cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], self.interleaved,
-            positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            self.gated, positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             _IO_FORMATS[k_cache.dtype], nb, bs, slots.data_ptr(), tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), self.window, self.ptrs[2], self.scale,
             torch.get_num_threads(), scratch.data_ptr(), out.data_ptr())
@@ -586,13 +678,13 @@ class AttnCall:
            k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
            tables: torch.Tensor, lens: torch.Tensor, scratch: torch.Tensor,
            out: torch.Tensor) -> Op:
-        """This call as a program's op over R sequences: qkv [R, (Hq + 2Hk) Dh] -> out
+        """This call as a program's op over R sequences: qkv [R, width] -> out
         [R, Hq Dh] in its dtype; positions, slots [R] int64, lens [R] int32, tables [R, M]
         int32 (the run's indices: each checked in C), scratch [R, Hq Dh] float32."""
         hq, hk, dh = self.heads
         r = qkv.shape[0]
         self._check_caches(k_cache, v_cache)
-        _rows("attention qkv", qkv, r, (hq + 2 * hk) * dh, tuple(_IO_FORMATS))
+        _rows("attention qkv", qkv, r, self.width, tuple(_IO_FORMATS))
         _rows("attention out", out, r, hq * dh, (qkv.dtype,))
         _rows("attention scratch", scratch, r, hq * dh, (torch.float32,))
         _rows("positions", positions, r, None, (torch.int64,))
@@ -607,7 +699,7 @@ class AttnCall:
         return Op(OP_ATTN, r, (
             qkv.data_ptr(), _IO_FORMATS[qkv.dtype], hq, hk, dh, self.ptrs[0], self.ptrs[1],
             cos_sin.data_ptr(), cos_sin.shape[0], cos_sin.shape[1], self.interleaved,
-            positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            self.gated, positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             _IO_FORMATS[k_cache.dtype], nb, bs, slots.data_ptr(), tables.data_ptr(),
             tables.shape[1], lens.data_ptr(), self.window, self.ptrs[2], scratch.data_ptr(),
             out.data_ptr()), (self.eps, self.scale),

@@ -11,7 +11,8 @@
  */
 #include "cpu_kernels.h"
 
-enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4 };
+enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4, OP_GDN = 5,
+       OP_SILU_MUL = 6, OP_SIGMOID_GATE = 7, OP_ADD_GATED = 8 };
 #define OP_INTS 32
 
 struct ft_op {
@@ -38,9 +39,9 @@ int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed)
             break;
         case OP_ATTN:       /* ft_attn_decode's order; eps, scale */
             rc = ft_attn_decode(P(0), (int)a[1], t, a[2], a[3], a[4], P(5), P(6), f[0], P(7),
-                                a[8], a[9], (int)a[10], P(11), P(12), P(13), (int)a[14], a[15],
-                                a[16], P(17), P(18), a[19], P(20), a[21], P(22), f[1], threads,
-                                P(23), P(24));
+                                a[8], a[9], (int)a[10], (int)a[11], P(12), P(13), P(14),
+                                (int)a[15], a[16], a[17], P(18), P(19), a[20], P(21), a[22], P(23),
+                                f[1], threads, P(24), P(25));
             break;
         case OP_TOPK:       /* logits, fmt, e, k, renorm, weights, ids, wfmt */
             ft_topk_softmax(P(0), (int)a[1], t, a[2], a[3], (int)a[4], P(5), P(6), (int)a[7]);
@@ -52,6 +53,20 @@ int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed)
                         (int)a[19], f[0], f[1], threads, act, acc, P(21), (int)a[22]);
             break;
         }
+        case OP_GDN:        /* ft_gdn_decode's order; eps, scale */
+            rc = ft_gdn_decode(P(0), (int)a[1], t, a[2], P(3), P(4), a[5], P(6), P(7), a[8],
+                               P(9), P(10), P(11), P(12), P(13), f[0], a[14], a[15], a[16], a[17],
+                               f[1], threads, P(18));
+            break;
+        case OP_SILU_MUL:   /* x, fmt, n, xs, out */
+            ft_silu_mul(P(0), (int)a[1], t, a[2], a[3], P(4), threads);
+            break;
+        case OP_SIGMOID_GATE:   /* o, g, fmt, heads, dh, gs, ghs */
+            ft_sigmoid_gate(P(0), P(1), (int)a[2], t, a[3], a[4], a[5], a[6], threads);
+            break;
+        case OP_ADD_GATED:  /* h, y, gl, gls, fmt, d */
+            ft_add_gated(P(0), P(1), P(2), a[3], (int)a[4], t, a[5], threads);
+            break;
         default:
             rc = -4;
         }

@@ -15,18 +15,25 @@ Built where every layer is one the native calls cover (else `build` says why not
 modules run every step):
 - DecoderLayer: native RMSNorms (16-bit);
 - Attention with its native decode step (cpu_decode) after the fused q/k/v product, the
-  KV cache 16-bit or float32;
-- SparseMoeBlock without shared experts: a plain (softmax -> top-k) router on the native
-  GEMV and top-k, the experts in native banks (bf16, fp8 or int4) computed by the CPU;
+  KV cache 16-bit or float32; an output gate (Qwen3-Next/3.5) natively after it;
+- GatedDeltaNet (Qwen3-Next/3.5's linear attention) with its decode call (cpu_decode: the
+  layer between its projections in one call) after the fused input projections;
+- SparseMoeBlock: a plain (softmax -> top-k) router on the native GEMV and top-k, the
+  experts in native banks (bf16, fp8 or int4) computed by the CPU; shared experts (a
+  DenseMLP: gate/up product, native SwiGLU, down) added natively, gated or not;
+- DenseMLP (dense layers) the same way;
 - projections on the native GEMV (CpuLinear), or torch's int4 GEMM (Int4Linear), which runs
   as a Python step between the runs of native ops.
-Families that fit: qwen3_moe, qwen2_moe-shaped ones without a shared expert, mixtral,
-gpt-oss. `enforce_eager` (vLLM's name) turns it off.
+Families that fit: qwen3_moe, qwen2_moe, mixtral, gpt-oss, qwen3_next, qwen3_5_moe.
+`enforce_eager` (vLLM's name) turns it off.
 
 Buffers (R = ROWS, D hidden): res [R, D] the residual stream (the embedding rows first), h
 [R, D] each block's output, n [R, D] the normed input of the next block; per layer shape,
-qkv [R, (Hq + 2Hk) Dh], o and its float32 scratch [R, Hq Dh], router logits [R, E], top-k
-weights and ids [R, k], the experts' scratch; logits [R, V].
+qkv [R, (Hq + 2Hk) Dh] (gated: (2Hq + 2Hk) Dh), o and its float32 scratch [R, Hq Dh], a
+Gated DeltaNet layer's projections [R, P] and output [R, Hv Dv], router logits [R, E],
+top-k weights and ids [R, k], the experts' scratch, a shared expert's gate/up [R, 2I],
+activation [R, I], output [R, D] and gate logit [R, 1]; logits [R, V]; the sequences' state
+slots and has-state flags [R] (hybrid models).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from freetoken.engine.batch import ForwardBatch
 from freetoken.models.layers.attention import Attention
 from freetoken.models.layers.decoder import DecoderLayer, MoeForCausalLM
 from freetoken.models.layers.linear import Linear, QuantLinear
+from freetoken.models.layers.linear_attention import GatedDeltaNet
+from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.moe import SparseMoeBlock
 from triton_kernels.cpu_linear import GEMM_ROWS, NATIVE_ROWS
 
@@ -71,6 +80,10 @@ class CpuDecodeGraph:
         self.slots = torch.zeros(r, dtype=torch.int64)
         self.lens = torch.ones(r, dtype=torch.int32)
         self.tables = torch.zeros(r, max_blocks, dtype=torch.int32)
+        self.state_slots = torch.zeros(r, dtype=torch.int32)
+        self.has_state = torch.ones(r, dtype=torch.uint8)
+        self.recurrent = False                      # any Gated DeltaNet layer (run's copies)
+        self._kernel = kernel
         self._shared: dict = {}                     # buffers by (name, width, dtype)
         prog = self.program = tk.CpuProgram(kernel, r)
         for i, layer in enumerate(inner.layers):
@@ -81,10 +94,16 @@ class CpuDecodeGraph:
             prog.add(norm_in.op(self.res, None, self.n) if i == 0
                      else norm_in.op(self.h, self.res, self.n, self.res),
                      f"layer {i}'s input norm")
-            self._attention(layer.attn_module, kv.layer(i), i)          # n -> h
+            if isinstance(layer.attn_module, GatedDeltaNet):
+                self._linear_attention(layer.attn_module, kv.layer(i), i)  # n -> h
+            else:
+                self._attention(layer.attn_module, kv.layer(i), i)          # n -> h
             prog.add(norm_post.op(self.h, self.res, self.n, self.res),
                      f"layer {i}'s post-attention norm")
-            self._moe(layer.mlp_module, i)                                # n -> h
+            if isinstance(layer.mlp_module, DenseMLP):
+                self._mlp(layer.mlp_module, self.h, f"layer {i}'s MLP")     # n -> h
+            else:
+                self._moe(layer.mlp_module, i)                              # n -> h
         _need(inner.norm.native is not None, "the final norm")
         prog.add(inner.norm.native.op(self.h, self.res, self.n, self.res), "the final norm")
         self.logits = torch.zeros(r, model.config.vocab_size, dtype=dtype)
@@ -124,7 +143,7 @@ class CpuDecodeGraph:
         _need(isinstance(attn, Attention) and attn.cpu_decode is not None
               and attn.qkv_packed is not None, f"layer {i}'s attention has no native decode step")
         _need(not attn.decode_pre_steps, f"layer {i}'s attention has torch steps before its "
-              f"native decode step (output gate, q/k norms across heads, clipping)")
+              f"native decode step (q/k norms across heads, clipping)")
         k_cache, v_cache = caches
         _need(attn.cpu_decode.takes(k_cache, v_cache), f"layer {i}'s KV cache is "
               f"{k_cache.dtype}")
@@ -136,12 +155,42 @@ class CpuDecodeGraph:
                                                  k_cache, v_cache, self.slots, self.tables,
                                                  self.lens, scratch, o),
                          f"layer {i}'s attention")
+        if attn.native_gate:
+            self.program.add(self._kernel.sigmoid_gate_op(o, qkv, hq, dh),
+                             f"layer {i}'s output gate")
         self._linear(attn.o_proj, o, self.h, f"layer {i}'s o_proj")
 
+    def _linear_attention(self, gdn, pools, i: int) -> None:
+        """n -> h: the fused input projections, the decode call, out_proj."""
+        _need(gdn.cpu_decode is not None and gdn.proj_packed is not None,
+              f"layer {i}'s linear attention has no native decode call")
+        state, conv_state = pools
+        _need(gdn.cpu_decode.takes(conv_state, state), f"layer {i}'s state pools are "
+              f"{conv_state.dtype} / {state.dtype}")
+        c = gdn.cfg
+        proj = self._buf("gdn_proj", sum(gdn.proj_widths))
+        o = self._buf("gdn_o", c.value_dim)
+        self._linear(gdn.proj_packed, self.n, proj, f"layer {i}'s linear attention projections")
+        self.program.add(gdn.cpu_decode.op(proj, conv_state, state, self.state_slots,
+                                           self.has_state, o), f"layer {i}'s linear attention")
+        self._linear(gdn.out_proj, o, self.h, f"layer {i}'s out_proj")
+        self.recurrent = True
+
+    def _mlp(self, mlp, out: torch.Tensor, what: str) -> None:
+        """n -> out: a SwiGLU MLP's gate/up product, the native SwiGLU, down."""
+        _need(isinstance(mlp, DenseMLP) and mlp.gate_up is not None and mlp.native is not None,
+              f"{what} has no fused gate/up product and native SwiGLU")
+        width = mlp.down_proj.in_features
+        gate_up, act = self._buf("mlp_gu", 2 * width), self._buf("mlp_act", width)
+        self._linear(mlp.gate_up, self.n, gate_up, f"{what}'s gate/up")
+        self.program.add(self._kernel.silu_mul_op(gate_up, act), f"{what}'s SwiGLU")
+        self._linear(mlp.down_proj, act, out, f"{what}'s down_proj")
+
     def _moe(self, mlp, i: int) -> None:
-        """n -> h: router GEMV, top-k, the routed experts."""
-        _need(isinstance(mlp, SparseMoeBlock) and mlp.shared_name is None,
-              f"layer {i}'s MLP is not routed experts alone")
+        """n -> h: router GEMV, top-k, the routed experts; the shared experts added."""
+        _need(isinstance(mlp, SparseMoeBlock), f"layer {i}'s MLP is a {type(mlp).__name__}")
+        _need(mlp.shared_name is None or mlp.native is not None,
+              f"layer {i}'s shared experts have no native add")
         gate, c, experts = mlp.gate, mlp.gate.cfg, mlp.experts
         _need(c.plain and gate.native is not None, f"layer {i}'s router is not a native top-k")
         bank = experts.packed
@@ -162,6 +211,16 @@ class CpuDecodeGraph:
                          f"layer {i}'s top-k")
         self.program.add(call.op(self.n, weights, ids, scratch, self.h, act.kind, act.alpha,
                                  act.limit), f"layer {i}'s experts")
+        if mlp.shared_name is None:
+            return
+        shared = self._buf("shared_out", self.h.shape[1])
+        self._mlp(getattr(mlp, mlp.shared_name), shared, f"layer {i}'s shared experts")
+        logit = None
+        if mlp.shared_expert_gate is not None:
+            logit = self._buf("shared_gate", 1)
+            self._linear(mlp.shared_expert_gate, self.n, logit, f"layer {i}'s shared gate")
+        self.program.add(self._kernel.add_gated_op(self.h, shared, logit),
+                         f"layer {i}'s shared experts' add")
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """float32 logits [N, V] for batch.logits_indices, or None where the batch is not a
@@ -177,6 +236,9 @@ class CpuDecodeGraph:
         self.lens[:t] = batch.seq_lens
         self.tables[:t, :m] = batch.block_tables
         self.tables[:t, m:] = -1        # no block of an earlier batch: the C checks refuse -1
+        if self.recurrent:
+            self.state_slots[:t] = batch.state_slots
+            self.has_state[:t] = batch.has_initial_state
         self.program.run(t)
         self.runs += 1
         return self.logits[:t][batch.logits_indices].float()

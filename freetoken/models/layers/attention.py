@@ -74,10 +74,11 @@ class Attention(nn.Module):
         self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
         self.cpu_decode: tk.CpuDecodeAttention | None = None
         # Steps over whole q/k/v widths before the per-head ones, which a native decode step
-        # leaves to torch (_whole_width_steps): the output gate's split, q/k norms across all
-        # heads, clipping.
-        self.decode_pre_steps = (cfg.output_gate or cfg.qk_norm == "all"
-                                 or cfg.clip_qkv is not None)
+        # leaves to torch (_whole_width_steps): q/k norms across all heads, clipping. The
+        # output gate rides in qkv through the native step instead (its q heads read past
+        # each head's gate, and the gate multiplies after), where no torch step comes first.
+        self.decode_pre_steps = cfg.qk_norm == "all" or cfg.clip_qkv is not None
+        self.native_gate = cfg.output_gate and not self.decode_pre_steps
         self.cpu_prefill: tk.CpuPrefillAttention | None = None
 
     def pack_cpu(self) -> int:
@@ -106,7 +107,7 @@ class Attention(nn.Module):
         return tk.CpuDecodeAttention(
             kernel, (self.num_heads, self.num_kv_heads, self.head_dim), q_w, k_w,
             cfg.rms_norm_eps, self.scale, cfg.sliding_window, self.sinks,
-            cfg.rope_interleaved)
+            cfg.rope_interleaved, self.native_gate)
 
     def cache_spec(self) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, self.head_dim,
@@ -135,16 +136,18 @@ class Attention(nn.Module):
             q, k, v = qkv.split(self.qkv_widths, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*Dh]
-        q, k, v, gate = self._whole_width_steps(q, k, v, t)
         # A CPU engine's pure decode step: one native call after the fused product (and the
-        # whole-width steps, where the layer has them).
+        # whole-width steps, where the layer has them; the output gate in the call).
         if (self.cpu_decode is not None and batch.max_seqlen_q == 1
                 and self.cpu_decode.takes(k_cache, v_cache)):
+            gate = None
             if self.decode_pre_steps:
+                q, k, v, gate = self._whole_width_steps(q, k, v, t)
                 qkv = torch.cat([q, k, v], dim=-1)
             o = self.cpu_decode(qkv, batch.positions, self.rope.cos_sin, k_cache, v_cache,
                                 batch.slot_mapping, batch.block_tables, batch.seq_lens)
             return self.o_proj(o if gate is None else o * torch.sigmoid(gate))
+        q, k, v, gate = self._whole_width_steps(q, k, v, t)
         q = q.view(t, self.num_heads, hd)
         k = k.view(t, self.num_kv_heads, hd)
         v = v.view(t, self.num_kv_heads, hd)

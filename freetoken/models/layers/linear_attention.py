@@ -103,16 +103,38 @@ class GatedDeltaNet(nn.Module):
                             else (cfg.conv_dim, cfg.value_dim, hv, hv))
         self.proj_packed: tk.CpuLinear | tk.Int4Linear | None = None
         self.cpu_native: tk.CpuGatedDelta | None = None
+        self.cpu_decode: tk.GdnDecodeCall | None = None
 
     def pack_cpu(self) -> int:
         """CPU engine: the input projections as one product (pack_fused), and the conv and
-        delta rule on the native kernels where they build (cpu_gated_delta.py). Returns the
-        packed product's bytes (0: the projections are packed alone, or not at all)."""
+        delta rule on the native kernels where they build (cpu_gated_delta.py); a decode
+        step's whole layer between the projections in one native call (GdnDecodeCall) in a
+        16-bit model. Returns the packed product's bytes (0: the projections are packed
+        alone, or not at all)."""
         self.proj_packed = pack_fused([getattr(self, name) for name in self.cpu_fused])
         kernel = tk.native_kernels()
-        if kernel is not None:
-            self.cpu_native = tk.CpuGatedDelta(kernel, self.conv1d.weight.squeeze(1))
+        if kernel is None:
+            return 0 if self.proj_packed is None else self.proj_packed.nbytes
+        c = self.cfg
+        self.cpu_native = tk.CpuGatedDelta(kernel, self.conv1d.weight.squeeze(1))
+        if self.proj_packed is not None and kernel.handles(self.norm.weight.dtype):
+            self.cpu_decode = tk.GdnDecodeCall(
+                kernel, self.conv1d.weight.squeeze(1), self.proj_layout(),
+                sum(self.proj_widths), (c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim),
+                -self.A_log.float().exp(), self.dt_bias, self.norm.weight, self.norm.eps,
+                c.head_k_dim ** -0.5)
         return 0 if self.proj_packed is None else self.proj_packed.nbytes
+
+    def proj_layout(self) -> tuple[int, ...]:
+        """Where q, k, v, z, b and a lie in a row of the packed projections' output, as
+        (offset, stride a key head) pairs in that order (ft_gdn_decode's `lay`)."""
+        c = self.cfg
+        r, dk, dv = c.num_v_heads // c.num_k_heads, c.head_k_dim, c.head_v_dim
+        if c.fused_projections:                 # per key head [q | k | v | z], then [b | a]
+            g, ba = 2 * dk + 2 * r * dv, c.conv_dim + c.value_dim
+            return (0, g, dk, g, 2 * dk, g, 2 * dk + r * dv, g, ba, 2 * r, ba + r, 2 * r)
+        kd, cd, vd = c.key_dim, c.conv_dim, c.value_dim     # [q | k | v], z, b, a
+        return (0, dk, kd, dk, 2 * kd, r * dv, cd, r * dv, cd + vd, r, cd + vd + c.num_v_heads, r)
 
     def cache_spec(self) -> RecurrentStateSpec:
         c = self.cfg
@@ -138,8 +160,14 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
-        qkv, z, b, a = self._project(x)
         state, conv_state = batch.kv.layer(self.layer_idx)
+        # A CPU engine's decode step: the layer between its projections in one native call.
+        if (self.cpu_decode is not None and batch.max_seqlen_q == 1
+                and self.cpu_decode.takes(conv_state, state)):
+            o = self.cpu_decode(self.proj_packed(x), conv_state, state, batch.state_slots,
+                                batch.has_initial_state)
+            return self.out_proj(o)
+        qkv, z, b, a = self._project(x)
         seqs = (batch.state_slots, batch.cu_seqlens_q, batch.has_initial_state)
         native = self.cpu_native
         conv = None if native is None else native.conv1d(qkv, conv_state, *seqs)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import triton_kernels as tk
+from freetoken.models.layers.linear import Linear
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.router import Router
 from freetoken.moe.layout import ExpertLayout
@@ -151,14 +152,30 @@ class SparseMoeBlock(nn.Module):
         if shared is not None:
             self.add_module(shared_name, shared)
         hidden = gate.weight.shape[1]
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_gate else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_gate else None
+        self.native: tk.NativeKernels | None = None     # a CPU engine's gated add (bind_cpu)
+
+    def bind_cpu(self) -> None:
+        """A 16-bit CPU engine: the shared experts' (gated) add to the routed output in one
+        native call (cpu_gates.c), which a decode program records too."""
+        kernel = tk.native_kernels()
+        if self.shared_name is not None and kernel is not None and kernel.handles(
+                self.gate.weight.dtype):
+            self.native = kernel
+
+    def shared_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shared experts' output [T, D] and their gate's logit [T, 1] (None: ungated)."""
+        gate = self.shared_expert_gate
+        return getattr(self, self.shared_name)(x), None if gate is None else gate(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate.route(x)                 # [T, k]
         out = self.experts(x, weights, ids)
-        if self.shared_name is not None:
-            shared = getattr(self, self.shared_name)(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        if self.shared_name is None:
+            return out
+        shared, logit = self.shared_out(x)
+        if self.native is not None and out.dtype == shared.dtype and out.device.type == "cpu":
+            return self.native.add_gated(out.contiguous(), shared, logit)   # (out: the call's own)
+        if logit is not None:
+            shared = torch.sigmoid(logit) * shared
+        return out + shared

@@ -1,0 +1,55 @@
+/* The small elementwise steps between a CPU engine's products, each in one call: SwiGLU
+ * (dense MLPs and shared experts), the attention output's sigmoid gate (Qwen3-Next/3.5),
+ * a shared expert's gated add to the routed experts' output. Each was two to four torch ops
+ * (a few us of dispatch each for a few thousand flops), and as native calls a decode
+ * program (cpu_program.c) records them with the products around them.
+ *
+ * Formats (fmt): 0 bf16, 1 fp16, 2 float32. Each step is rounded to fmt where torch's ops
+ * on fmt tensors round (HF's modules): silu(g), its product with u, sigmoid(x), the scaled
+ * term, the sum.
+ */
+#include "cpu_dot.h"
+
+static inline float silu(float x) { return x / (1.f + expf(-x)); }
+static inline float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+/* out [T, N] = round(round(silu(g)) u) for x [T, xs] rows holding g at columns [0, N) and
+ * u at [N, 2N) (a fused gate/up product's output). */
+void ft_silu_mul(const void *x, int fmt, int64_t t_count, int64_t n, int64_t xs, void *out,
+                 int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (t_count >= 32)
+    for (int64_t t = 0; t < t_count; t++)
+        for (int64_t e = 0; e < n; e++) {
+            const float g = round_to(silu(load_as(x, t * xs + e, fmt)), fmt);
+            store_as(out, t * n + e, round_to(g * load_as(x, t * xs + n + e, fmt), fmt), fmt);
+        }
+}
+
+/* o [T, H Dh] = round(o round(sigmoid(gate))), head h's gate at g[t gs + h ghs, + Dh) (the
+ * q projection's output, each head's gate after its q). */
+void ft_sigmoid_gate(void *o, const void *g, int fmt, int64_t t_count, int64_t heads,
+                     int64_t dh, int64_t gs, int64_t ghs, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (t_count >= 32)
+    for (int64_t t = 0; t < t_count; t++)
+        for (int64_t hd = 0; hd < heads; hd++)
+            for (int64_t d = 0; d < dh; d++) {
+                const int64_t i = (t * heads + hd) * dh + d;
+                const float s = round_to(sigmoid(load_as(g, t * gs + hd * ghs + d, fmt)), fmt);
+                store_as(o, i, round_to(load_as(o, i, fmt) * s, fmt), fmt);
+            }
+}
+
+/* h [T, D] = round(h + round(s_t y)), y [T, D]; s_t = round(sigmoid(gl[t gls])) (a shared
+ * expert's gate logit), or 1 where gl is NULL (the sum alone). */
+void ft_add_gated(void *h, const void *y, const void *gl, int64_t gls, int fmt,
+                  int64_t t_count, int64_t d, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (t_count >= 32)
+    for (int64_t t = 0; t < t_count; t++) {
+        const float s = gl ? round_to(sigmoid(load_as(gl, t * gls, fmt)), fmt) : 1.f;
+        for (int64_t e = 0; e < d; e++) {
+            const float term = gl ? round_to(s * load_as(y, t * d + e, fmt), fmt)
+                                  : load_as(y, t * d + e, fmt);
+            store_as(h, t * d + e, round_to(load_as(h, t * d + e, fmt) + term, fmt), fmt);
+        }
+    }
+}
