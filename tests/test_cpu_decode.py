@@ -472,24 +472,35 @@ def test_native_decode_attention_same_bits_any_threads_and_refuses_bad_tables(th
         step(c["qkv"][:, :-1], *args[1:])
 
 
-@pytest.mark.parametrize("family", ["olmoe", "minimax_m2", "qwen3_next", "qwen3_5_moe"])
-def test_native_decode_step_with_torch_steps_around_it(tiny_model_dir, family, monkeypatch):
-    # olmoe and minimax_m2 norm q and k across all heads (torch does that before the native
-    # step), and qwen3_next / qwen3_5_moe gate the output (the native step reads q past each
-    # head's gate, and the native sigmoid gate multiplies after). Each decode step's layer output
+@pytest.mark.parametrize("family", ["olmoe", "olmoe-clip", "minimax_m2", "qwen3_next",
+                                    "qwen3_5_moe"])
+def test_native_decode_step_with_whole_width_steps_and_gates(tiny_model_dir, family,
+                                                             monkeypatch, tmp_path):
+    # olmoe and minimax_m2 norm q and k across all heads (natively, in place on qkv before
+    # the per-head steps; olmoe-clip: clip_qkv 0.5 in its config, past which most of the tiny
+    # model's q, k and v lie), and qwen3_next / qwen3_5_moe gate the output (the native step
+    # reads q past each head's gate, and the native sigmoid gate multiplies after). Each
+    # decode step's layer output
     # against the torch path's on the same input, in the same step: the difference's norm
     # within a few bf16 steps of the output's (each rounds o, then o_proj sums it).
     # (Not the tokens: one bf16 step in qwen3_next's last layer moves a tiny random model's
     # logprobs by up to 0.5.)
     from freetoken import LLM, SamplingParams
     from freetoken.models.layers.attention import Attention
-    llm = LLM(str(tiny_model_dir(family, seed=3)), skip_tokenizer_init=True,
+    path = tiny_model_dir(family.split("-")[0], seed=3)
+    if family == "olmoe-clip":
+        import json
+        import shutil
+        path = shutil.copytree(path, tmp_path / "m")
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, "clip_qkv": 0.5}))
+    llm = LLM(str(path), skip_tokenizer_init=True,
               dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False)
     attns = [m for m in llm.runner.model.modules() if isinstance(m, Attention)]
-    assert attns and all(a.cpu_decode is not None
-                         and a.decode_pre_steps != (family in ("qwen3_next", "qwen3_5_moe"))
-                         and a.native_gate == (family in ("qwen3_next", "qwen3_5_moe"))
-                         for a in attns)
+    assert all(a.cpu_decode.clip == (0.5 if family == "olmoe-clip" else None) for a in attns)
+    gated = family in ("qwen3_next", "qwen3_5_moe")                # (whole-width: the rest)
+    assert attns and all(a.cpu_decode is not None and a.cpu_decode.gated == gated
+                         and a.cpu_decode.whole != gated for a in attns)
     calls, attn_call = [], tk.cpu_native.AttnCall.__call__
     monkeypatch.setattr(tk.cpu_native.AttnCall, "__call__",
                         lambda *a, **kw: calls.append(1) or attn_call(*a, **kw))

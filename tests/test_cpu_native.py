@@ -490,3 +490,34 @@ def test_native_gates_refuse_bad_shapes():
         kernel.add_gated(x, x.half())
     with pytest.raises(ValueError, match="cannot hold"):
         kernel.sigmoid_gate(torch.empty(2, 8, dtype=torch.bfloat16), x, 2, 4)
+
+
+@pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("groups", [(1, 1), (8, 3), (4, 2), (16, 4)])
+@pytest.mark.parametrize("biased", [True, False])
+def test_native_biased_topk_is_the_reference(scoring, groups, biased):
+    # biased_topk_reference's choice (the same ids, ties to the lower id: bf16 logits tie
+    # often) and weights to float32's last places (another order of the renorm's sum)
+    from triton_kernels.routing import biased_topk_reference
+    kernel = tk.native_kernels()
+    g = torch.Generator().manual_seed(groups[0])
+    n_group, keep = groups
+    for renorm, scale in ((True, 2.5), (False, 1.0)):
+        logits = torch.randn(9, 64, generator=g).bfloat16()
+        bias = torch.randn(64, generator=g) * 0.1 if biased else None
+        kw = dict(bias=bias, scoring=scoring, n_group=n_group, topk_group=keep,
+                  renormalize=renorm, scale=scale)
+        w, ids = kernel.topk_biased(logits, 6, **kw)
+        rw, rids = biased_topk_reference(logits, 6, **kw)
+        assert torch.equal(ids, rids)
+        torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+    # weights rounded to the model's dtype in the op, as Router.route's cast rounds them
+    out_w, out_ids = torch.empty(9, 6), torch.empty(9, 6, dtype=torch.int64)
+    from triton_kernels.cpu_program import CpuProgram
+    prog = CpuProgram(kernel, 9)
+    prog.add(kernel.topk_biased_op(logits, 6, out_w, out_ids, round_to=torch.bfloat16, **kw),
+             "routing")
+    prog.run(9)
+    assert torch.equal(out_ids, ids) and torch.equal(out_w, w.bfloat16().float())
+    with pytest.raises(ValueError, match="groups dividing"):
+        kernel.topk_biased(logits, 6, **{**kw, "n_group": 5})

@@ -16,6 +16,7 @@ from freetoken import LLM, SamplingParams
 from freetoken.demo.tiny_model import make_tiny_model
 from freetoken.models.layers.attention import Attention
 from freetoken.models.layers.linear import QuantLinear
+from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.quant.encode import quantize_checkpoint
 from test_dequant_cpu import routed_batch
 from test_kernels_dequant import random_weight
@@ -208,12 +209,14 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model, monkeypatch):
         model = llm.runner.model
         qlin = [m for m in model.modules() if isinstance(m, QuantLinear)]
         # every projection through the int4 GEMM; an attention layer's q, k and v as one
-        # (so its decode step runs natively after it)
+        # (so its decode step runs natively after it), a dense MLP's gate and up as one
         attns = [m for m in model.modules() if isinstance(m, Attention)]
-        fused = {id(getattr(a, n)) for a in attns for n in a.cpu_fused}
+        mlps = [m for m in model.modules() if isinstance(m, DenseMLP)]
+        fused = {id(getattr(m, n)) for m in attns + mlps for n in m.cpu_fused}
         alone = [m for m in qlin if id(m) not in fused]
         assert alone and all(isinstance(m.packed, tk.Int4Linear) for m in alone), name
         assert attns and all(isinstance(a.qkv_packed, tk.Int4Linear) for a in attns), name
+        assert mlps and all(isinstance(m.gate_up, tk.Int4Linear) for m in mlps), name
         # on an AMX CPU (with the native kernels) their prefill rows decode the nibbles
         amx_rows = tk.has_amx_bf16() and tk.native_kernels() is not None
         assert all((p.prefill is not None) == amx_rows
@@ -224,9 +227,12 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model, monkeypatch):
             real = tk.cpu_native.AttnCall.__call__
             monkeypatch.setattr(tk.cpu_native.AttnCall, "__call__",
                                 lambda *a, **k: calls.append(1) or real(*a, **k))
+            graph = llm.runner.cpu_graph        # (the decode program records the same step)
+            before = graph.runs if graph is not None else 0
             llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
             monkeypatch.setattr(tk.cpu_native.AttnCall, "__call__", real)
-            assert len(calls) >= 3 * len(attns)
+            steps = len(calls) // len(attns) + (graph.runs - before if graph is not None else 0)
+            assert steps >= 3
         blocks = model.moe_blocks()
         # the experts: the native kernel on the checkpoint's nibbles where it is built
         store = llm.runner.expert_store

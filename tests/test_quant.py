@@ -359,13 +359,16 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     import triton_kernels as tk
     from freetoken.models.layers.attention import Attention
     from freetoken.models.layers.linear import QuantLinear
+    from freetoken.models.layers.mlp import DenseMLP
     path = str(tiny(tmp_path / "q", "qwen3_moe", quant))
     want = LLM(path, skip_tokenizer_init=True, dtype="float32").logits(PROMPT)
     llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
     modules = list(llm.runner.model.modules())
     attns = [m for m in modules if isinstance(m, Attention)]
     assert attns and all(isinstance(a.qkv_packed, tk.CpuLinear) for a in attns)
-    fused = {id(getattr(a, n)) for a in attns for n in a.cpu_fused}
+    mlps = [m for m in modules if isinstance(m, DenseMLP)]      # gate and up as one product
+    assert mlps and all(isinstance(m.gate_up, tk.CpuLinear) for m in mlps)
+    fused = {id(getattr(m, n)) for m in attns + mlps for n in m.cpu_fused}
     qlin = [m for m in modules if isinstance(m, QuantLinear) and id(m) not in fused]
     assert len(qlin) >= 4 and all(isinstance(m.packed, tk.CpuLinear) for m in qlin)
     # fp8 keeps its bytes for the decode rows' GEMV (block scales, or the tensor's as one

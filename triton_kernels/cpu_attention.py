@@ -19,20 +19,33 @@ class CpuDecodeAttention:
     """What one layer's step needs besides the batch, formed once: heads (Hq, Hk, Dh), the q
     and k norms' scales ([Dh] float32, their offset applied; None: no norm), the softmax
     scale, the window and the sinks ([Hq] float32 or None); gated: q_proj yields [q | gate]
-    per head (Qwen3-Next/3.5), the output multiplied by sigmoid(gate) after (cpu_gates.c)."""
+    per head (Qwen3-Next/3.5), the output multiplied by sigmoid(gate) after (cpu_gates.c);
+    whole_norms: (wq [Hq Dh], wk [Hk Dh]) in the model's dtype, q and k RMS-normed across
+    their heads before the per-head steps (OLMoE, MiniMax-M2), and clip: q, k and v clamped
+    to +-clip after (OLMoE), both in place on qkv (cpu_gates.c's ft_qkv_whole)."""
 
     def __init__(self, kernel: NativeKernels, heads: tuple[int, int, int],
                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                  scale: float, window: int | None, sinks: torch.Tensor | None,
-                 interleaved: bool, gated: bool = False):
+                 interleaved: bool, gated: bool = False,
+                 whole_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 clip: float | None = None):
         self.kernel, self.heads, self.eps, self.scale = kernel, heads, eps, scale
         self.q_norm, self.k_norm = (None if w is None else w.detach().float().contiguous()
                                     for w in (q_norm, k_norm))
         self.sinks = None if sinks is None else sinks.detach().float().contiguous()
         self.window, self.interleaved, self.gated = window, interleaved, gated
+        self.whole_norms, self.clip = whole_norms, clip
+        self.whole = whole_norms is not None or clip is not None
         # the kernel call with these constants, checked once (cpu_native.AttnCall)
         self.call = kernel.bind_attn(heads, self.q_norm, self.k_norm, eps, interleaved, window,
                                      self.sinks, scale, gated)
+
+    def whole_op(self, qkv: torch.Tensor):
+        """The whole-width steps as a program's op, in place on its qkv [R, width]."""
+        hq, hk, dh = self.heads
+        return self.kernel.qkv_whole_op(qkv, hq * dh, hk * dh, self.whole_norms, self.eps,
+                                        self.clip)
 
     def takes(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether the call reads and writes these caches (cpu_native.AttnCall.takes: 16-bit
@@ -45,6 +58,9 @@ class CpuDecodeAttention:
         """qkv [B, (Hq + 2Hk) Dh] ([B, (2Hq + 2Hk) Dh] gated) -> attention output [B, Hq Dh]
         in qkv's dtype."""
         qkv = qkv.contiguous()
+        if self.whole:
+            hq, hk, dh = self.heads
+            self.kernel.qkv_whole(qkv, hq * dh, hk * dh, self.whole_norms, self.eps, self.clip)
         o = self.call(qkv, cos_sin, positions, k_cache, v_cache, slot_mapping, block_tables,
                       seq_lens)
         if self.gated:

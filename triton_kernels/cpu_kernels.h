@@ -25,6 +25,9 @@ void ft_rms_norm(const uint16_t *x, const uint16_t *residual, const uint16_t *w,
                  int threads);
 void ft_topk_softmax(const void *logits, int fmt, int64_t t_count, int64_t e_count,
                      int64_t k, int renorm, float *weights, int64_t *ids, int wfmt);
+void ft_topk_biased(const void *logits, int fmt, int64_t t_count, int64_t e_count, int64_t k,
+                    int softmax, const float *bias, int64_t n_group, int64_t topk_group,
+                    int renorm, float scale, float *weights, int64_t *ids, int wfmt);
 void ft_int4_decode(const uint8_t *q, const void *gs, int fmt, const int64_t *idx,
                     int64_t n_idx, int64_t n, int64_t k, int64_t g, uint16_t *out, int threads);
 int64_t ft_moe_amx_scratch(int64_t t_count, int64_t k_count, int64_t slots, int64_t d,
@@ -47,6 +50,8 @@ void ft_sigmoid_gate(void *o, const void *g, int fmt, int64_t t_count, int64_t h
                      int64_t dh, int64_t gs, int64_t ghs, int threads);
 void ft_add_gated(void *h, const void *y, const void *gl, int64_t gls, int fmt,
                   int64_t t_count, int64_t d, int threads);
+void ft_qkv_whole(void *qkv, int fmt, int64_t t_count, int64_t w, int64_t nq, int64_t nk,
+                  const uint16_t *wq, const uint16_t *wk, float eps, float clip, int threads);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
 
 #endif

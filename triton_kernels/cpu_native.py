@@ -136,6 +136,10 @@ class NativeKernels:
         fn.argtypes = [p, p, p, i64, c_int, i64, i64, c_int]
         fn.restype = None
         self._add_gated = fn
+        fn = lib.ft_qkv_whole
+        fn.argtypes = [p, c_int, i64, i64, i64, i64, p, p, c_float, c_float, c_int]
+        fn.restype = None
+        self._qkv_whole = fn
         fn = lib.ft_rms_norm
         fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, c_int]
         fn.restype = None
@@ -144,6 +148,10 @@ class NativeKernels:
         fn.argtypes = [p, c_int, i64, i64, i64, c_int, p, p, c_int]
         fn.restype = None
         self._topk_softmax = fn
+        fn = lib.ft_topk_biased
+        fn.argtypes = [p, c_int, i64, i64, i64, c_int, p, i64, i64, c_int, c_float, p, p, c_int]
+        fn.restype = None
+        self._topk_biased = fn
         fn = lib.ft_run
         fn.argtypes = [p, i64, i64, c_int, p]
         fn.restype = c_int
@@ -396,9 +404,75 @@ class NativeKernels:
                             2 if round_to is None else _FORMATS[round_to]), (),
                   (logits, weights, ids))
 
+    def topk_biased_op(self, logits: torch.Tensor, top_k: int, weights: torch.Tensor,
+                       ids: torch.Tensor, *, bias: torch.Tensor | None, scoring: str,
+                       n_group: int, topk_group: int, renormalize: bool, scale: float,
+                       round_to: torch.dtype | None = None) -> Op:
+        """biased_topk_reference's routing (cpu_route.c's ft_topk_biased) as a program's op:
+        logits [R, E] -> weights [R, k] float32 (rounded to round_to where given), ids [R, k]
+        int64; bias [E] float32 or None, scoring "sigmoid" or "softmax", n_group dividing E."""
+        r, e = logits.shape
+        _rows("top-k logits", logits, r, e, tuple(_IO_FORMATS))
+        _rows("top-k weights", weights, r, top_k, (torch.float32,))
+        _rows("top-k ids", ids, r, top_k, (torch.int64,))
+        if not (1 <= top_k <= e and scoring in ("sigmoid", "softmax") and n_group >= 1
+                and e % n_group == 0 and 1 <= topk_group <= n_group
+                and round_to in (None, *_FORMATS)
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (e,)
+                                      and bias.is_contiguous() and bias.device.type == "cpu"))):
+            raise ValueError(f"native biased top-k: 1 <= k <= {e}, sigmoid or softmax scores, "
+                             f"{n_group} groups dividing {e} keeping 1..{n_group}, a float32 "
+                             f"bias [{e}] expected, got k={top_k}, {scoring}, keep {topk_group}, "
+                             f"bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+        return Op(OP_TOPK_BIASED, r, (
+            logits.data_ptr(), _IO_FORMATS[logits.dtype], e, top_k, int(scoring == "softmax"),
+            0 if bias is None else bias.data_ptr(), n_group, topk_group, int(renormalize),
+            weights.data_ptr(), ids.data_ptr(), 2 if round_to is None else _FORMATS[round_to]),
+            (float(scale),), (logits, weights, ids, bias))
+
+    def topk_biased(self, logits: torch.Tensor, top_k: int, **kw) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
+        """topk_biased_op's routing now: (weights [T, k] float32, ids [T, k] int64)."""
+        logits = logits.contiguous()
+        t = logits.shape[0]
+        weights = torch.empty(t, top_k)
+        ids = torch.empty(t, top_k, dtype=torch.int64)
+        op = self.topk_biased_op(logits, top_k, weights, ids, **kw)
+        a = op.ints
+        self._topk_biased(*a[:2], t, *a[2:9], op.floats[0], *a[9:])
+        return weights, ids
+
     # ---- cpu_gates.c: the elementwise steps between products --------------------------------
     # Each takes its tensors (16-bit or float32, one dtype, contiguous rows) and, as an op,
     # a program's buffers of the same shapes.
+
+    def qkv_whole_op(self, qkv: torch.Tensor, nq: int, nk: int, norms, eps: float,
+                     clip: float | None) -> Op:
+        """The whole-width steps before an attention layer's per-head ones, in place on a
+        16-bit qkv [R, W]: q = [0, nq) and k = [nq, nq + nk) RMS-normed across their heads
+        by norms = (wq [nq], wk [nk]) in qkv's dtype (None: not normed), then q, k and v
+        clamped to +-clip (None: not)."""
+        r, w = qkv.shape
+        wq, wk = norms or (None, None)
+        if not (qkv.dtype in _FORMATS and qkv.is_contiguous() and qkv.device.type == "cpu"
+                and w >= nq + 2 * nk and (clip is None or clip > 0)
+                and all(n is None or (n.dtype == qkv.dtype and n.shape == (d,)
+                                      and n.is_contiguous()) for n, d in ((wq, nq), (wk, nk)))
+                and (wq is None) == (wk is None)):
+            raise ValueError(f"native whole-width steps: a 16-bit qkv [R, >= {nq + 2 * nk}] "
+                             f"and norms [{nq}], [{nk}] in its dtype expected, got "
+                             f"{tuple(qkv.shape)} {qkv.dtype}")
+        return Op(OP_QKV_WHOLE, r, (qkv.data_ptr(), _FORMATS[qkv.dtype], w, nq, nk,
+                                    0 if wq is None else wq.data_ptr(),
+                                    0 if wk is None else wk.data_ptr()),
+                  (eps, clip or 0.0), (qkv, wq, wk))
+
+    def qkv_whole(self, qkv: torch.Tensor, nq: int, nk: int, norms, eps: float,
+                  clip: float | None) -> torch.Tensor:
+        op = self.qkv_whole_op(qkv, nq, nk, norms, eps, clip)   # qkv, fmt, w, nq, nk, wq, wk
+        a = op.ints
+        self._qkv_whole(*a[:2], op.rows, *a[2:], *op.floats, torch.get_num_threads())
+        return qkv
 
     def _gate_args(self, what: str, *pairs) -> int:
         """The io format of (tensor, [rows, width]) pairs in one dtype, or ValueError."""
@@ -468,7 +542,7 @@ class NativeKernels:
 
 # cpu_program.c's op kinds
 (OP_RMS_NORM, OP_LINEAR, OP_ATTN, OP_TOPK, OP_MOE, OP_GDN, OP_SILU_MUL, OP_SIGMOID_GATE,
- OP_ADD_GATED) = range(9)
+ OP_ADD_GATED, OP_TOPK_BIASED, OP_QKV_WHOLE) = range(11)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -516,25 +590,26 @@ class LinearCall:
         self.args = (weight.data_ptr(), wfmt, 0 if scales is None else scales.data_ptr(),
                      *block, 0 if bias is None else bias.data_ptr(), n, k)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [T, K] -> [T, N] in out_dtype: x's, or float32 (the sums unrounded)."""
         if not (x.dim() == 2 and x.shape[1] == self.k and x.dtype in _IO_FORMATS
-                and x.device.type == "cpu"):
+                and x.device.type == "cpu" and out_dtype in (None, x.dtype, torch.float32)):
             raise ValueError(f"native linear: x [T, {self.k}] (bf16, fp16 or float32) on the "
                              f"CPU for its 16-bit weight [{self.n}, {self.k}] expected, got "
-                             f"{tuple(x.shape)} {x.dtype}")
+                             f"{tuple(x.shape)} {x.dtype} (out {out_dtype})")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
-        xfmt = _IO_FORMATS[x.dtype]
-        _check_rc(self.fn(x.data_ptr(), xfmt, x.shape[0], *self.args, out.data_ptr(), xfmt,
-                          torch.get_num_threads()), "native linear", "x's float32 copy")
+        out = torch.empty(x.shape[0], self.n, dtype=out_dtype or x.dtype)
+        _check_rc(self.fn(x.data_ptr(), _IO_FORMATS[x.dtype], x.shape[0], *self.args,
+                          out.data_ptr(), _IO_FORMATS[out.dtype], torch.get_num_threads()),
+                  "native linear", "x's float32 copy")
         return out
 
     def op(self, x: torch.Tensor, out: torch.Tensor) -> Op:
-        """This call as a program's op: x [R, K] -> out [R, N], both in x's dtype."""
+        """This call as a program's op: x [R, K] -> out [R, N], in x's dtype or float32."""
         _rows("linear x", x, x.shape[0], self.k, tuple(_IO_FORMATS))
-        _rows("linear out", out, x.shape[0], self.n, (x.dtype,))
-        fmt = _IO_FORMATS[x.dtype]
-        return Op(OP_LINEAR, x.shape[0], (x.data_ptr(), fmt, *self.args, out.data_ptr(), fmt),
+        _rows("linear out", out, x.shape[0], self.n, (x.dtype, torch.float32))
+        return Op(OP_LINEAR, x.shape[0], (x.data_ptr(), _IO_FORMATS[x.dtype], *self.args,
+                                          out.data_ptr(), _IO_FORMATS[out.dtype]),
                   (), (self, x, out))
 
 

@@ -12,7 +12,8 @@
 #include "cpu_kernels.h"
 
 enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4, OP_GDN = 5,
-       OP_SILU_MUL = 6, OP_SIGMOID_GATE = 7, OP_ADD_GATED = 8 };
+       OP_SILU_MUL = 6, OP_SIGMOID_GATE = 7, OP_ADD_GATED = 8, OP_TOPK_BIASED = 9,
+       OP_QKV_WHOLE = 10 };
 #define OP_INTS 32
 
 struct ft_op {
@@ -45,6 +46,14 @@ int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed)
             break;
         case OP_TOPK:       /* logits, fmt, e, k, renorm, weights, ids, wfmt */
             ft_topk_softmax(P(0), (int)a[1], t, a[2], a[3], (int)a[4], P(5), P(6), (int)a[7]);
+            break;
+        case OP_TOPK_BIASED:    /* logits, fmt, e, k, softmax, bias, n_group, topk_group,
+                                 * renorm, weights, ids, wfmt; scale */
+            ft_topk_biased(P(0), (int)a[1], t, a[2], a[3], (int)a[4], P(5), a[6], a[7],
+                           (int)a[8], f[0], P(9), P(10), (int)a[11]);
+            break;
+        case OP_QKV_WHOLE:  /* qkv, fmt, w, nq, nk, wq, wk; eps, clip */
+            ft_qkv_whole(P(0), (int)a[1], t, a[2], a[3], a[4], P(5), P(6), f[0], f[1], threads);
             break;
         case OP_MOE: {      /* ft_moe's order, scratch for act then acc; alpha, limit */
             float *act = P(20), *acc = act + t * a[6] * a[17];     /* [t k, I], then [t, D] */

@@ -15,16 +15,18 @@ Built where every layer is one the native calls cover (else `build` says why not
 modules run every step):
 - DecoderLayer: native RMSNorms (16-bit);
 - Attention with its native decode step (cpu_decode) after the fused q/k/v product, the
-  KV cache 16-bit or float32; an output gate (Qwen3-Next/3.5) natively after it;
+  KV cache 16-bit or float32; q/k norms across heads and clipping (OLMoE, MiniMax-M2)
+  natively before it, an output gate (Qwen3-Next/3.5) natively after it;
 - GatedDeltaNet (Qwen3-Next/3.5's linear attention) with its decode call (cpu_decode: the
   layer between its projections in one call) after the fused input projections;
-- SparseMoeBlock: a plain (softmax -> top-k) router on the native GEMV and top-k, the
+- SparseMoeBlock: a router on the native GEMV and top-k (softmax -> top-k, or biased,
+  sigmoid, grouped: cpu_route.c), the
   experts in native banks (bf16, fp8 or int4) computed by the CPU; shared experts (a
   DenseMLP: gate/up product, native SwiGLU, down) added natively, gated or not;
 - DenseMLP (dense layers) the same way;
 - projections on the native GEMV (CpuLinear), or torch's int4 GEMM (Int4Linear), which runs
   as a Python step between the runs of native ops.
-Families that fit: qwen3_moe, qwen2_moe, mixtral, gpt-oss, qwen3_next, qwen3_5_moe.
+Families that fit: every one but MLA's (deepseek_v3, glm4_moe_lite).
 `enforce_eager` (vLLM's name) turns it off.
 
 Buffers (R = ROWS, D hidden): res [R, D] the residual stream (the embedding rows first), h
@@ -142,8 +144,6 @@ class CpuDecodeGraph:
         """n -> h: the fused q/k/v product, the native decode step, o_proj."""
         _need(isinstance(attn, Attention) and attn.cpu_decode is not None
               and attn.qkv_packed is not None, f"layer {i}'s attention has no native decode step")
-        _need(not attn.decode_pre_steps, f"layer {i}'s attention has torch steps before its "
-              f"native decode step (q/k norms across heads, clipping)")
         k_cache, v_cache = caches
         _need(attn.cpu_decode.takes(k_cache, v_cache), f"layer {i}'s KV cache is "
               f"{k_cache.dtype}")
@@ -151,11 +151,14 @@ class CpuDecodeGraph:
         qkv = self._buf("qkv", sum(attn.qkv_widths))
         o, scratch = self._buf("o", hq * dh), self._buf("o32", hq * dh, torch.float32)
         self._linear(attn.qkv_packed, self.n, qkv, f"layer {i}'s q/k/v")
+        if attn.cpu_decode.whole:
+            self.program.add(attn.cpu_decode.whole_op(qkv),
+                             f"layer {i}'s q/k norms across heads and clipping")
         self.program.add(attn.cpu_decode.call.op(qkv, attn.rope.cos_sin, self.positions,
                                                  k_cache, v_cache, self.slots, self.tables,
                                                  self.lens, scratch, o),
                          f"layer {i}'s attention")
-        if attn.native_gate:
+        if attn.cpu_decode.gated:
             self.program.add(self._kernel.sigmoid_gate_op(o, qkv, hq, dh),
                              f"layer {i}'s output gate")
         self._linear(attn.o_proj, o, self.h, f"layer {i}'s o_proj")
@@ -192,7 +195,7 @@ class CpuDecodeGraph:
         _need(mlp.shared_name is None or mlp.native is not None,
               f"layer {i}'s shared experts have no native add")
         gate, c, experts = mlp.gate, mlp.gate.cfg, mlp.experts
-        _need(c.plain and gate.native is not None, f"layer {i}'s router is not a native top-k")
+        _need(gate.native is not None, f"layer {i}'s router is not a native top-k")
         bank = experts.packed
         _need(experts.runtime is None and bank is not None
               and isinstance(bank.get("w13"), (tk.NativeBank, tk.NativeFp8Bank,
@@ -201,13 +204,20 @@ class CpuDecodeGraph:
         kwargs = experts.layout.kernel_kwargs(bank)
         act = kwargs.get("activation", tk.SILU)
         call = tk.bound_moe(bank["w13"], bank["w2"], kwargs.get("b13"), kwargs.get("b2"))
-        logits = self._buf("router", c.num_experts)
+        logits = self._buf("router", c.num_experts, torch.float32 if c.float32 else None)
         weights = self._buf("topk_w", c.top_k, torch.float32)
         ids = self._buf("topk_ids", c.top_k, torch.int64)
         scratch = self._buf("moe32", c.top_k * call.width + call.d, torch.float32)
-        self._linear(gate.packed, self.n, logits, f"layer {i}'s router")
+        if c.float32:                   # HF's float32 router: the native GEMV's unrounded sums
+            _need(gate.exact is not None, f"layer {i}'s float32 router has no native product")
+            self.program.add(gate.exact.op(self.n, logits), f"layer {i}'s router")
+        else:
+            self._linear(gate.packed, self.n, logits, f"layer {i}'s router")
+        round_to = self.dtype if c.weights_in_model_dtype else None
         self.program.add(gate.native.topk_op(logits, c.top_k, c.renormalize, weights, ids,
-                                             self.dtype if c.weights_in_model_dtype else None),
+                                             round_to) if c.plain
+                         else gate.native.topk_biased_op(logits, c.top_k, weights, ids,
+                                                         round_to=round_to, **gate.biased_args()),
                          f"layer {i}'s top-k")
         self.program.add(call.op(self.n, weights, ids, scratch, self.h, act.kind, act.alpha,
                                  act.limit), f"layer {i}'s experts")

@@ -73,12 +73,6 @@ class Attention(nn.Module):
         self.qkv_packed: tk.CpuLinear | tk.Int4Linear | None = None
         self.qkv_widths = (q_width, self.num_kv_heads * hd, self.num_kv_heads * hd)
         self.cpu_decode: tk.CpuDecodeAttention | None = None
-        # Steps over whole q/k/v widths before the per-head ones, which a native decode step
-        # leaves to torch (_whole_width_steps): q/k norms across all heads, clipping. The
-        # output gate rides in qkv through the native step instead (its q heads read past
-        # each head's gate, and the gate multiplies after), where no torch step comes first.
-        self.decode_pre_steps = cfg.qk_norm == "all" or cfg.clip_qkv is not None
-        self.native_gate = cfg.output_gate and not self.decode_pre_steps
         self.cpu_prefill: tk.CpuPrefillAttention | None = None
 
     def pack_cpu(self) -> int:
@@ -95,19 +89,26 @@ class Attention(nn.Module):
         return 0 if self.qkv_packed is None else self.qkv_packed.nbytes
 
     def _native_decode(self) -> tk.CpuDecodeAttention | None:
-        """A decode step after the fused product in one native call (cpu_attention.py):
-        per-head q/k norms, RoPE, the K/V write and attention; the whole-width steps before
-        them (decode_pre_steps) stay torch's."""
+        """A decode step after the fused product in native calls (cpu_attention.py): the
+        whole-width steps (q/k norms across heads, clipping: in place on qkv), per-head q/k
+        norms, RoPE, the K/V write and attention, the output gate (read in qkv: its q heads
+        skip each head's gate). None in a model the native calls do not take (not 16-bit)."""
         cfg, kernel = self.cfg, tk.native_kernels()
         if kernel is None or self.qkv_packed is None:
             return None
         q_w, k_w = ((None if n is None or cfg.qk_norm != "head" else n.weight if not n.offset
                      else (n.offset + n.weight.float()).to(n.weight.dtype))
                     for n in (self.q_norm, self.k_norm))
+        o_proj = self.o_proj
+        dtype = o_proj.weight.dtype if isinstance(o_proj, Linear) else o_proj.dtype
+        if not kernel.handles(dtype):
+            return None
+        norms = (None if cfg.qk_norm != "all" else
+                 tuple(n.scale().detach().contiguous() for n in (self.q_norm, self.k_norm)))
         return tk.CpuDecodeAttention(
             kernel, (self.num_heads, self.num_kv_heads, self.head_dim), q_w, k_w,
             cfg.rms_norm_eps, self.scale, cfg.sliding_window, self.sinks,
-            cfg.rope_interleaved, self.native_gate)
+            cfg.rope_interleaved, cfg.output_gate, norms, cfg.clip_qkv)
 
     def cache_spec(self) -> AttentionSpec:
         return AttentionSpec(self.num_kv_heads, self.head_dim, self.head_dim,
@@ -136,17 +137,12 @@ class Attention(nn.Module):
             q, k, v = qkv.split(self.qkv_widths, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*Dh]
-        # A CPU engine's pure decode step: one native call after the fused product (and the
-        # whole-width steps, where the layer has them; the output gate in the call).
+        # A CPU engine's pure decode step: native calls after the fused product.
         if (self.cpu_decode is not None and batch.max_seqlen_q == 1
                 and self.cpu_decode.takes(k_cache, v_cache)):
-            gate = None
-            if self.decode_pre_steps:
-                q, k, v, gate = self._whole_width_steps(q, k, v, t)
-                qkv = torch.cat([q, k, v], dim=-1)
             o = self.cpu_decode(qkv, batch.positions, self.rope.cos_sin, k_cache, v_cache,
                                 batch.slot_mapping, batch.block_tables, batch.seq_lens)
-            return self.o_proj(o if gate is None else o * torch.sigmoid(gate))
+            return self.o_proj(o)
         q, k, v, gate = self._whole_width_steps(q, k, v, t)
         q = q.view(t, self.num_heads, hd)
         k = k.view(t, self.num_kv_heads, hd)

@@ -62,23 +62,37 @@ class Router(nn.Module):
                                         if cfg.selection_bias else None)
 
         self.packed: tk.CpuLinear | None = None
-        self.native: tk.NativeKernels | None = None     # a CPU engine's softmax -> top-k
+        self.native: tk.NativeKernels | None = None     # a CPU engine's top-k (pack_cpu)
+        self.native_bias: torch.Tensor | None = None    # its float32 selection bias
+        self.exact = None       # a float32 router's native product (cpu_native.LinearCall)
 
     def pack_cpu(self) -> int:
         """On a CPU engine in 16 bits: the gate through the CPU's product (cpu_linear.py; a
         bf16 [64, 1024] product cost ~100 us a layer, 1/20 of a decode step; packed, ~10).
-        The logits are still rounded to x's dtype, as F.linear's. A float32 router keeps
-        its exact product. The plain softmax -> top-k runs natively (cpu_route.c: one call
-        for torch's four ops). Returns the bytes it added."""
-        if self.cfg.float32 or self.weight.dtype not in (torch.bfloat16, torch.float16):
+        The logits are still rounded to x's dtype, as F.linear's. A float32 router (GLM,
+        DeepSeek, MiniMax: HF widens x and the weight) takes the native GEMV from the 16-bit
+        weight as it is, each product exact in float32 and the sums float32, unrounded: the
+        float32 product's math in another order of sums. The top-k runs natively
+        (cpu_route.c: one call for torch's four ops, the plain softmax -> top-k; or ~15, the
+        biased, sigmoid and grouped ones). Returns the bytes it added."""
+        if self.weight.dtype not in (torch.bfloat16, torch.float16):
             return 0                     # (a float32 model keeps the reference's routing)
-        self.native = tk.native_kernels() if self.cfg.plain else None
+        self.native = kernel = tk.native_kernels()
+        if self.e_score_correction_bias is not None:
+            self.native_bias = self.e_score_correction_bias.detach().float().contiguous()
+        if self.cfg.float32:
+            if kernel is not None:
+                self.exact = kernel.bind_linear(self.weight.detach().contiguous(), None
+                                                if self.bias is None else self.bias.float())
+            return 0
         self.packed = tk.cpu_linear(self.weight, self.bias)
         return 0 if self.packed is None else self.packed.nbytes
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
+        if self.exact is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+            return self.exact(x, torch.float32)
         if self.cfg.float32:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias)
@@ -87,8 +101,9 @@ class Router(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] float32, or x's dtype when the family casts; ids [T, k])."""
         c, logits = self.cfg, self.logits(x)
-        if c.plain and self.native is not None and logits.device.type == "cpu":
-            weights, ids = self.native.topk_softmax(logits, c.top_k, c.renormalize)
+        if self.native is not None and logits.device.type == "cpu":
+            weights, ids = (self.native.topk_softmax(logits, c.top_k, c.renormalize) if c.plain
+                            else self.native.topk_biased(logits, c.top_k, **self.biased_args()))
         elif c.plain:
             weights, ids = tk.topk_softmax(logits, c.top_k, c.renormalize)
         else:
@@ -100,5 +115,11 @@ class Router(nn.Module):
         if c.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         return weights, ids
+
+    def biased_args(self) -> dict:
+        """The native biased top-k's arguments for this router (cpu_native.topk_biased_op)."""
+        c = self.cfg
+        return dict(bias=self.native_bias, scoring=c.scoring, n_group=c.n_group,
+                    topk_group=c.topk_group, renormalize=c.renormalize, scale=c.scale)
 
     forward = route
