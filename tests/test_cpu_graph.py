@@ -62,7 +62,8 @@ def quantized(tiny_model_dir, tmp_path_factory):  # noqa: F811
                                           ("qwen2_moe", "bfloat16"), ("qwen3_next", "bfloat16"),
                                           ("qwen3_5_moe", "float16"), ("glm4_moe", "bfloat16"),
                                           ("ernie4_5_moe", "bfloat16"), ("olmoe", "bfloat16"),
-                                          ("minimax_m2", "bfloat16")])
+                                          ("minimax_m2", "bfloat16"), ("deepseek_v3", "bfloat16"),
+                                          ("glm4_moe_lite", "bfloat16")])
 def test_program_steps_give_the_modules_bits(tiny_model_dir, family, dtype):  # noqa: F811
     # gpt-oss: sliding window and sinks on alternate layers, biased projections and
     # experts, swiglu_oai, the router's weights rounded to bf16. qwen2_moe: q/k/v biases,
@@ -72,7 +73,9 @@ def test_program_steps_give_the_modules_bits(tiny_model_dir, family, dtype):  # 
     # selection bias and scaling, ungated shared experts, q/k/v biases. ernie4_5_moe: a
     # softmax router with a selection bias, interleaved RoPE. olmoe / minimax_m2: q/k norms
     # across heads (olmoe: clipping; minimax_m2: a float32 sigmoid router with a selection
-    # bias, partial rotary). Nine prompts of 2 to 10 new tokens: the first steps (9 sequences) are
+    # bias, partial rotary). deepseek_v3 / glm4_moe_lite: latent attention (q's LoRA pair
+    # and its norm, the native decode call over the latent cache), a dense first layer, a
+    # grouped router. Nine prompts of 2 to 10 new tokens: the first steps (9 sequences) are
     # the modules', from 7 down the program's.
     path = str(tiny_model_dir(family, seed=3, **SHAPE))
     ids = prompts(9)
@@ -98,19 +101,23 @@ def test_quantized_program_steps_give_the_modules_bits(quantized, quant):
 
 
 def test_models_the_calls_do_not_cover_run_the_modules(tiny_model_dir):  # noqa: F811
-    # deepseek_v3's latent attention: not in the program, so its engine builds none and says
-    # why
-    path = str(tiny_model_dir("deepseek_v3", seed=1, **SHAPE))
-    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
-    assert llm.runner.cpu_graph is None
+    # A float32 model has no 16-bit native calls to record: its engine builds no program,
+    # says why, and its modules decode
+    path = str(tiny_model_dir("qwen3_moe", seed=1, **SHAPE))
+    llm = LLM(path, skip_tokenizer_init=True)
+    assert llm.runner.cpu_graph is None and "float32" in llm.runner.cpu_graph_off
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].token_ids) == 3
     from freetoken.engine.cpu_graph import CpuDecodeGraph
-    graph, why = CpuDecodeGraph.build(llm.runner.model, llm.runner.kv, 32)
-    assert graph is None and "no native decode step" in why
-    # and a float32 model has no 16-bit native calls to record
-    graph, why = CpuDecodeGraph.build(LLM(path, skip_tokenizer_init=True).runner.model, None, 32)
+    graph, why = CpuDecodeGraph.build(llm.runner.model, None, 32)
     assert graph is None and "float32" in why
+    # and a layer the calls do not cover names itself: a latent attention layer whose
+    # native decode call is not bound
+    mla = LLM(str(tiny_model_dir("deepseek_v3", seed=1, **SHAPE)), skip_tokenizer_init=True,
+              dtype="bfloat16", enforce_eager=True)
+    mla.runner.model.model.layers[1].self_attn.cpu_decode = None
+    graph, why = CpuDecodeGraph.build(mla.runner.model, mla.runner.kv, 32)
+    assert graph is None and "layer 1's latent attention has no native decode step" in why
 
 
 def test_enforce_eager_is_a_flag_and_a_keyword(tiny_model_dir):  # noqa: F811

@@ -304,3 +304,69 @@ def test_warmup_runs_both_forms_of_prefill(tiny, monkeypatch):
     assert ("absorbed", 1) in seen                                  # decode
     assert any(kind == "absorbed" and n > 1 for kind, n in seen)    # a short chunk's prefill
     assert any(kind == "decompressed" and n > 1 for kind, n in seen)
+
+
+@pytest.mark.parametrize("q_lora,interleaved", [(16, True), (None, False)])
+def test_bf16_decode_step_on_the_native_call_is_the_torch_paths(q_lora, interleaved):
+    """A bf16 CPU engine's decode step (cpu_mla.c: the latent's norm, rope and write, W_UK,
+    attention over the latents, W_UV) against the modules' torch path on the same input and
+    cache: the output within a few bf16 steps of its norm (each rounds q_abs, the
+    probabilities and o_lat, in another order of sums), the new latents' c_kv the same bits
+    (ft_rms_norm's), k_pe within a bf16 step of its largest value (rope rounded once, not
+    per op), and a
+    sequence whose slot is -1 writes nothing. Three sequences over scattered blocks of 4."""
+    import dataclasses
+
+    import triton_kernels as tk
+    from freetoken.engine.batch import ForwardBatch
+    from freetoken.engine.kv_cache import KVCache
+    if tk.native_kernels() is None:
+        pytest.skip("no C compiler: no native kernels")
+    layer, g = _layer(q_lora, seed=4)
+    layer.cfg = dataclasses.replace(layer.cfg, rope_interleaved=interleaved)
+    layer = layer.bfloat16()
+    for m in layer.modules():                 # a CPU engine's packing (linear.pack_for_cpu)
+        if hasattr(m, "pack_cpu"):
+            m.pack_cpu()
+    layer.bind_cpu()
+    assert layer.cpu_decode is not None
+    c = layer.cfg
+    kv = KVCache({0: layer.cache_spec()}, 16, 4, torch.bfloat16, "cpu")
+    kv.layer(0)[0].copy_(torch.randn(kv.layer(0)[0].shape, generator=g))
+    tables = torch.tensor([[6, 1, 3, -1], [2, 7, 0, 9], [4, -1, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([10, 15, 3], dtype=torch.int32)
+    positions = (lens - 1).long()
+    slots = torch.tensor([int(tables[b, p // 4]) * 4 + p % 4 for b, p in enumerate(positions)])
+    slots[2] = -1
+    batch = ForwardBatch(input_ids=torch.zeros(3, dtype=torch.long), positions=positions,
+                         cu_seqlens_q=torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                         seq_lens=lens, block_tables=tables, slot_mapping=slots,
+                         logits_indices=torch.arange(3), max_seqlen_q=1, num_seqs=3, kv=kv)
+    x = torch.randn(3, c.hidden_size, generator=g).bfloat16()
+    pool = kv.layer(0)[0]
+    start = pool.clone()
+    native = layer.cpu_decode
+    calls = []
+    native_call = type(native).__call__
+    type(native).__call__ = lambda *a, **k: calls.append(1) or native_call(*a, **k)
+    try:
+        got = layer(x, batch)
+    finally:
+        type(native).__call__ = native_call
+    got_pool = pool.clone()
+    pool.copy_(start)
+    layer.cpu_decode = None
+    want = layer(x, batch)
+    assert calls and got.shape == want.shape == (3, c.hidden_size)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2 ** -6
+    written = slots[:2]
+    flat_got, flat_want = got_pool.view(-1, pool.shape[2]), pool.view(-1, pool.shape[2])
+    assert torch.equal(flat_got[written, :c.kv_lora_rank], flat_want[written, :c.kv_lora_rank])
+    # (torch's rope rounds each product to bf16, so near a cancellation its error is the
+    # operands' bf16 step, not the result's)
+    pe_got, pe_want = (f[written, c.kv_lora_rank:].float() for f in (flat_got, flat_want))
+    bound = pe_want.abs().amax(dim=1, keepdim=True) * 2 ** -7
+    assert ((pe_got - pe_want).abs() <= bound).all()
+    rest = torch.ones(flat_got.shape[0], dtype=torch.bool)
+    rest[written] = False
+    assert torch.equal(flat_got[rest], start.view(-1, pool.shape[2])[rest])

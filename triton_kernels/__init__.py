@@ -40,6 +40,7 @@ from triton_kernels.cpu_linear import CpuLinear, QuantRows, cpu_linear
 from triton_kernels.cpu_amx_attention import CpuPrefillAttention
 from triton_kernels.cpu_attention import CpuDecodeAttention
 from triton_kernels.cpu_gated_delta import CpuGatedDelta, GdnDecodeCall
+from triton_kernels.cpu_mla import CpuMlaDecode
 from triton_kernels.cpu_program import CpuProgram
 from triton_kernels.int4_cpu import Int4Linear, Int4Packed, fused_moe_int4_cpu, packable_int4
 
@@ -48,7 +49,7 @@ __all__ = [
     "NativeBank", "NativeFp8Bank", "NativeInt4Bank", "NativeKernels", "native_kernels",
     "bound_moe", "has_amx_bf16", "int4_alike", "int4_group_pairs", "int4_scales", "CpuLinear",
     "QuantRows", "cpu_linear",
-    "CpuDecodeAttention", "CpuPrefillAttention", "CpuGatedDelta", "GdnDecodeCall", "CpuProgram",
+    "CpuDecodeAttention", "CpuPrefillAttention", "CpuGatedDelta", "GdnDecodeCall", "CpuMlaDecode", "CpuProgram",
     "kernel_backend", "check_backend", "get_backend", "fixed_configs_scope",
     "rms_norm", "rms_norm_reference",
     "apply_rope", "apply_rope_reference",

@@ -52,6 +52,13 @@ void ft_add_gated(void *h, const void *y, const void *gl, int64_t gls, int fmt,
                   int64_t t_count, int64_t d, int threads);
 void ft_qkv_whole(void *qkv, int fmt, int64_t t_count, int64_t w, int64_t nq, int64_t nk,
                   const uint16_t *wq, const uint16_t *wk, float eps, float clip, int threads);
+int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64_t h,
+                  int64_t n, int64_t r, int64_t l, int64_t v, const uint16_t *kv_norm,
+                  float eps, const float *cos_sin, int64_t n_pos, int interleaved,
+                  const int64_t *pos, void *cache, int cfmt, int64_t nb, int64_t bs,
+                  const int64_t *slots, const int32_t *tables, int64_t max_blocks,
+                  const int32_t *lens, const void *w_kvb, float scale, int threads,
+                  float *scratch, void *out);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
 
 #endif

@@ -49,7 +49,8 @@ log = logging.getLogger("freetoken.kernels")
 _HERE = Path(__file__).parent
 # compiled together into one library
 _SOURCES = ("cpu_moe.c", "cpu_amx.c", "cpu_amx_attention.c", "cpu_linear.c", "cpu_attention.c",
-            "cpu_norm.c", "cpu_route.c", "cpu_program.c", "cpu_gated_delta.c", "cpu_gates.c")
+            "cpu_norm.c", "cpu_route.c", "cpu_program.c", "cpu_gated_delta.c", "cpu_gates.c",
+            "cpu_mla.c")
 _HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
@@ -140,6 +141,11 @@ class NativeKernels:
         fn.argtypes = [p, c_int, i64, i64, i64, i64, p, p, c_float, c_float, c_int]
         fn.restype = None
         self._qkv_whole = fn
+        fn = lib.ft_mla_decode          # cpu_mla.c: a latent attention layer's decode step
+        fn.argtypes = [p, p, c_int, i64, i64, i64, i64, i64, i64, p, c_float, p, i64, c_int, p,
+                       p, c_int, i64, i64, p, p, i64, p, p, c_float, c_int, p, p]
+        fn.restype = c_int
+        self.mla_decode_fn = fn
         fn = lib.ft_rms_norm
         fn.argtypes = [p, p, p, c_float, i64, i64, c_int, p, p, c_int]
         fn.restype = None
@@ -542,7 +548,7 @@ class NativeKernels:
 
 # cpu_program.c's op kinds
 (OP_RMS_NORM, OP_LINEAR, OP_ATTN, OP_TOPK, OP_MOE, OP_GDN, OP_SILU_MUL, OP_SIGMOID_GATE,
- OP_ADD_GATED, OP_TOPK_BIASED, OP_QKV_WHOLE) = range(11)
+ OP_ADD_GATED, OP_TOPK_BIASED, OP_QKV_WHOLE, OP_MLA) = range(12)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -13,7 +13,7 @@
 
 enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4, OP_GDN = 5,
        OP_SILU_MUL = 6, OP_SIGMOID_GATE = 7, OP_ADD_GATED = 8, OP_TOPK_BIASED = 9,
-       OP_QKV_WHOLE = 10 };
+       OP_QKV_WHOLE = 10, OP_MLA = 11 };
 #define OP_INTS 32
 
 struct ft_op {
@@ -54,6 +54,11 @@ int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed)
             break;
         case OP_QKV_WHOLE:  /* qkv, fmt, w, nq, nk, wq, wk; eps, clip */
             ft_qkv_whole(P(0), (int)a[1], t, a[2], a[3], a[4], P(5), P(6), f[0], f[1], threads);
+            break;
+        case OP_MLA:        /* ft_mla_decode's order; eps, scale */
+            rc = ft_mla_decode(P(0), P(1), (int)a[2], t, a[3], a[4], a[5], a[6], a[7], P(8), f[0],
+                               P(9), a[10], (int)a[11], P(12), P(13), (int)a[14], a[15], a[16],
+                               P(17), P(18), a[19], P(20), P(21), f[1], threads, P(22), P(23));
             break;
         case OP_MOE: {      /* ft_moe's order, scratch for act then acc; alpha, limit */
             float *act = P(20), *acc = act + t * a[6] * a[17];     /* [t k, I], then [t, D] */

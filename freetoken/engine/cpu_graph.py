@@ -19,6 +19,8 @@ modules run every step):
   natively before it, an output gate (Qwen3-Next/3.5) natively after it;
 - GatedDeltaNet (Qwen3-Next/3.5's linear attention) with its decode call (cpu_decode: the
   layer between its projections in one call) after the fused input projections;
+- MlaAttention (DeepSeek-V3, Kimi-K2, GLM-4.7-Flash) with its decode call (cpu_mla.c: the
+  absorbed form from q and the latent's projections to o_proj's input);
 - SparseMoeBlock: a router on the native GEMV and top-k (softmax -> top-k, or biased,
   sigmoid, grouped: cpu_route.c), the
   experts in native banks (bf16, fp8 or int4) computed by the CPU; shared experts (a
@@ -26,7 +28,7 @@ modules run every step):
 - DenseMLP (dense layers) the same way;
 - projections on the native GEMV (CpuLinear), or torch's int4 GEMM (Int4Linear), which runs
   as a Python step between the runs of native ops.
-Families that fit: every one but MLA's (deepseek_v3, glm4_moe_lite).
+Families that fit: all of the registry's.
 `enforce_eager` (vLLM's name) turns it off.
 
 Buffers (R = ROWS, D hidden): res [R, D] the residual stream (the embedding rows first), h
@@ -48,6 +50,7 @@ from freetoken.models.layers.attention import Attention
 from freetoken.models.layers.decoder import DecoderLayer, MoeForCausalLM
 from freetoken.models.layers.linear import Linear, QuantLinear
 from freetoken.models.layers.linear_attention import GatedDeltaNet
+from freetoken.models.layers.mla import MlaAttention
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.moe import SparseMoeBlock
 from triton_kernels.cpu_linear import GEMM_ROWS, NATIVE_ROWS
@@ -98,6 +101,8 @@ class CpuDecodeGraph:
                      f"layer {i}'s input norm")
             if isinstance(layer.attn_module, GatedDeltaNet):
                 self._linear_attention(layer.attn_module, kv.layer(i), i)  # n -> h
+            elif isinstance(layer.attn_module, MlaAttention):
+                self._latent_attention(layer.attn_module, kv.layer(i), i)  # n -> h
             else:
                 self._attention(layer.attn_module, kv.layer(i), i)          # n -> h
             prog.add(norm_post.op(self.h, self.res, self.n, self.res),
@@ -178,6 +183,33 @@ class CpuDecodeGraph:
                                            self.has_state, o), f"layer {i}'s linear attention")
         self._linear(gdn.out_proj, o, self.h, f"layer {i}'s out_proj")
         self.recurrent = True
+
+    def _latent_attention(self, mla, caches, i: int) -> None:
+        """n -> h: q (q_a, its norm, q_b; or q_proj), kv_a, the decode call, o_proj."""
+        _need(mla.cpu_decode is not None, f"layer {i}'s latent attention has no native "
+              f"decode step")
+        (cache,) = caches
+        _need(mla.cpu_decode.takes(cache), f"layer {i}'s latent cache is {cache.dtype}")
+        c, h = mla.cfg, mla.num_heads
+        q = self._buf("mla_q", h * c.qk_head_dim)
+        if c.q_lora_rank is None:
+            self._linear(mla.q_proj, self.n, q, f"layer {i}'s q_proj")
+        else:
+            norm = mla.q_a_layernorm.native
+            _need(norm is not None, f"layer {i}'s q_a_layernorm")
+            qa, qa_n = self._buf("mla_qa", c.q_lora_rank), self._buf("mla_qa_n", c.q_lora_rank)
+            self._linear(mla.q_a_proj, self.n, qa, f"layer {i}'s q_a_proj")
+            self.program.add(norm.op(qa, None, qa_n), f"layer {i}'s q_a_layernorm")
+            self._linear(mla.q_b_proj, qa_n, q, f"layer {i}'s q_b_proj")
+        kv = self._buf("mla_kv", c.kv_lora_rank + c.qk_rope_head_dim)
+        self._linear(mla.kv_a_proj_with_mqa, self.n, kv, f"layer {i}'s kv_a_proj")
+        o = self._buf("mla_o", h * c.v_head_dim)
+        scratch = self._buf("mla_scratch", h * (c.kv_lora_rank + c.qk_rope_head_dim),
+                            torch.float32)
+        self.program.add(mla.cpu_decode.op(q, kv, mla.rope.cos_sin, self.positions, cache,
+                                           self.slots, self.tables, self.lens, scratch, o),
+                         f"layer {i}'s latent attention")
+        self._linear(mla.o_proj, o, self.h, f"layer {i}'s o_proj")
 
     def _mlp(self, mlp, out: torch.Tensor, what: str) -> None:
         """n -> out: a SwiGLU MLP's gate/up product, the native SwiGLU, down."""

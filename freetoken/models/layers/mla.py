@@ -90,12 +90,23 @@ class MlaAttention(nn.Module):
         self._kv_b_decoded: torch.Tensor | None = None     # kv_b_weight() of a quantized kv_b_proj
         self.o_proj = Linear(h * cfg.v_head_dim, d, bias=cfg.bias)
         self.cpu_prefill: tk.CpuPrefillAttention | None = None
+        self.cpu_decode: tk.CpuMlaDecode | None = None
 
     def bind_cpu(self) -> None:
-        """CPU engine on an AMX CPU: the decompressed prefill's attention on AMX tiles
-        (cpu_amx_attention.py, CpuPrefillAttention.dense; linear.pack_for_cpu calls this)."""
+        """CPU engine (linear.pack_for_cpu calls this): a decode step from the projections'
+        outputs to o_proj's input in one native call (cpu_mla.py) in a 16-bit model; on an
+        AMX CPU the decompressed prefill's attention on AMX tiles (cpu_amx_attention.py,
+        CpuPrefillAttention.dense)."""
         kernel = tk.native_kernels()
-        if kernel is not None and tk.has_amx_bf16():
+        if kernel is None:
+            return
+        c, w = self.cfg, self.kv_b_weight()
+        if kernel.handles(w.dtype) and self.kv_a_layernorm.weight.dtype == w.dtype:
+            self.cpu_decode = tk.CpuMlaDecode(
+                kernel, (self.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                         c.kv_lora_rank, c.v_head_dim),
+                self.kv_a_layernorm.scale(), LORA_NORM_EPS, w, self.scale, c.rope_interleaved)
+        if tk.has_amx_bf16():
             self.cpu_prefill = tk.CpuPrefillAttention(
                 kernel, (self.num_heads, self.num_heads), self.scale, None, None)
 
@@ -138,11 +149,18 @@ class MlaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         c, t = self.cfg, x.shape[0]
+        (latent_cache,) = batch.kv.layer(self.layer_idx)
+        # A CPU engine's decode step: one native call between the projections and o_proj.
+        if (self.cpu_decode is not None and batch.max_seqlen_q == 1
+                and self.cpu_decode.takes(latent_cache)):
+            o = self.cpu_decode(self._query(x).reshape(t, -1), self.kv_a_proj_with_mqa(x),
+                                batch.positions, self.rope.cos_sin, latent_cache,
+                                batch.slot_mapping, batch.block_tables, batch.seq_lens)
+            return self.o_proj(o)
         q, latent = self._query(x), self._latent(x)
         # Rotate the rope parts in place: q's last R dims per head, the latent's k_pe.
         tk.apply_rope(q[..., c.qk_nope_head_dim:], latent[:, None, c.kv_lora_rank:],
                       batch.positions, self.rope.cos_sin, c.rope_interleaved)
-        (latent_cache,) = batch.kv.layer(self.layer_idx)
         tk.write_latent(latent, latent_cache, batch.slot_mapping)
         o = self.attend(q, latent_cache, batch)                          # [T, H, V]
         return self.o_proj(o.reshape(t, self.num_heads * c.v_head_dim))
