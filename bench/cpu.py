@@ -178,10 +178,12 @@ def active_bytes_per_token(model_dir, dtype) -> tuple[int, int]:
 
 def gguf_of(model_dir: Path, convert: Path, outtype: str, out: Path) -> Path:
     # The random checkpoint's tokenizer is not one the converter knows by hash; llama-bench
-    # feeds token ids, so the pre-tokenizer name is irrelevant: name it qwen2.
+    # feeds token ids, so the pre-tokenizer name is irrelevant: name it qwen2. (GLM's vocab
+    # step looks for GLM's special tokens, which the tiny tokenizer has not: the generic one.)
     shim = ("import sys, runpy; root = sys.argv.pop(1); sys.path[:0] = [root, root + '/gguf-py']\n"
             "from conversion.base import TextModel\n"
             "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
+            "TextModel._set_vocab_glm = TextModel._set_vocab_gpt2\n"
             "sys.argv[0] = root + '/convert_hf_to_gguf.py'\n"
             "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     subprocess.run([sys.executable, "-c", shim, str(convert.parent), str(model_dir), "--outfile",
@@ -371,11 +373,19 @@ def main(argv=None) -> int:
             for outtype in [base] + [t for t in args.llama_quant.split(",") if t]:
                 name = "llama.cpp" if outtype == base else f"llama.cpp-{outtype}"
                 out = Path(tmp) / f"model-{outtype}.gguf"
-                if outtype in CONVERTER_TYPES:
-                    ggufs[outtype] = gguf_of(model_dir, convert, outtype, out)
-                else:                          # q4_0, q4_k_m, ...: llama-quantize of base's
-                    ggufs[outtype] = requantize(args.llama_bench, ggufs[base], outtype, out,
-                                                args.threads)
+                try:
+                    if outtype in CONVERTER_TYPES:
+                        ggufs[outtype] = gguf_of(model_dir, convert, outtype, out)
+                    elif base in ggufs:        # q4_0, q4_k_m, ...: llama-quantize of base's
+                        ggufs[outtype] = requantize(args.llama_bench, ggufs[base], outtype,
+                                                    out, args.threads)
+                    else:
+                        continue
+                except subprocess.CalledProcessError as exc:   # (its converter may not take
+                    err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr
+                    print(f"{name}: no GGUF of this checkpoint: {exc.cmd[-4:]} failed: "
+                          f"{(err or '').strip()[-400:]}", file=sys.stderr)    # the family)
+                    continue
                 try:
                     res[name] = llama_cpp(args.llama_bench, ggufs[outtype], args.threads,
                                           tokens, args.rounds, args.depth)
