@@ -1,5 +1,6 @@
 """The CPU's native kernels (cpu_moe.c, cpu_linear.c, cpu_attention.c, cpu_norm.c,
-cpu_route.c, sharing cpu_dot.h): one library built at first use, called through ctypes.
+cpu_route.c, cpu_gates.c, cpu_gated_delta.c, cpu_mla.c, the AMX ones, sharing cpu_dot.h): one
+library built at first use, called through ctypes.
 
 torch has no op that takes a list of experts: a decode step's routed experts are hundreds
 of one-thread FBGEMM products with a few us of dispatch each (cpu_matmul.Fp16Bank).
@@ -7,7 +8,9 @@ cpu_moe.c runs a whole MoE layer's experts in one call on torch's OpenMP pool, e
 read once for the tokens routed to its expert. The others are a 16-bit CPU engine's decode
 step without torch's per-op dispatch (a few us an op, ~40 ops a layer): a dense projection of
 a few rows from the 16-bit weight as it is (cpu_linear.CpuLinear), an attention layer's step
-after its q/k/v product (cpu_attention.CpuDecodeAttention), RMSNorm, the router's top-k.
+after its q/k/v product (cpu_attention.CpuDecodeAttention), RMSNorm, the router's top-k, the
+elementwise steps between products (SwiGLU, sigmoid gates, q/k norms across heads), a Gated
+DeltaNet or MLA layer's decode step between its projections.
 Each bound call also gives itself as an `Op` over fixed buffers, for a program that replays
 a list of them in one call (cpu_program.py, cpu_program.c: a CPU engine's decode step).
 
