@@ -521,3 +521,21 @@ def test_native_biased_topk_is_the_reference(scoring, groups, biased):
     assert torch.equal(out_ids, ids) and torch.equal(out_w, w.bfloat16().float())
     with pytest.raises(ValueError, match="groups dividing"):
         kernel.topk_biased(logits, 6, **{**kw, "n_group": 5})
+
+
+def test_native_whole_width_steps_are_the_norms_and_clamp_bits():
+    # q and k normed across their heads as RMSNorm's native call norms them (the same bits),
+    # then q, k and v clamped as torch clamps 16-bit tensors: the limit rounded first (8.3 is
+    # 8.3125 in bf16), the columns past v untouched
+    kernel = tk.native_kernels()
+    g = torch.Generator().manual_seed(5)
+    nq, nk = 64, 32
+    qkv = (torch.randn(3, nq + 2 * nk + 8, generator=g) * 9).bfloat16()
+    wq, wk = (torch.randn(n, generator=g).bfloat16() for n in (nq, nk))
+    got = kernel.qkv_whole(qkv.clone(), nq, nk, (wq, wk), 1e-6, 8.3)
+    q = kernel.bind_rms_norm(wq, 1e-6)(qkv[:, :nq])
+    k = kernel.bind_rms_norm(wk, 1e-6)(qkv[:, nq:nq + nk])
+    want = torch.cat([q, k, qkv[:, nq + nk:nq + 2 * nk]], dim=1).clamp(-8.3, 8.3)
+    assert torch.equal(got[:, :nq + 2 * nk], want)
+    assert torch.equal(got[:, nq + 2 * nk:], qkv[:, nq + 2 * nk:])
+    assert (want.abs() == 8.3125).any()                 # the limit reached, as rounded

@@ -37,6 +37,9 @@ class CpuDecodeAttention:
         self.window, self.interleaved, self.gated = window, interleaved, gated
         self.whole_norms, self.clip = whole_norms, clip
         self.whole = whole_norms is not None or clip is not None
+        if gated and self.whole:        # (ft_qkv_whole reads q and k unbroken by gates)
+            raise ValueError("native decode attention: an output gate with q/k norms across "
+                             "heads or clipping is not a layout the calls take")
         # the kernel call with these constants, checked once (cpu_native.AttnCall)
         self.call = kernel.bind_attn(heads, self.q_norm, self.k_norm, eps, interleaved, window,
                                      self.sinks, scale, gated)

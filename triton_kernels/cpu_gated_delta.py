@@ -47,6 +47,8 @@ def _raise(rc: int, what: str):
         raise ValueError(f"{what}: two sequences name one state slot")
     if rc == -1:
         raise MemoryError(f"{what}: out of host memory for a thread's state")
+    if rc == -4:
+        raise ValueError(f"{what}: a conv width outside 2..16")
 
 
 class CpuGatedDelta:

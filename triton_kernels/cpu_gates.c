@@ -57,7 +57,8 @@ void ft_add_gated(void *h, const void *y, const void *gl, int64_t gls, int fmt,
 /* In place on rows qkv [T, W] (W >= nq + 2 nk): q = [0, nq) normed across its heads by wq, k
  * = [nq, nq + nk) by wk (ft_rms_norm's arithmetic, row by row: the same bits), where wq is
  * not NULL (OLMoE, MiniMax-M2); then q, k and v = [nq + nk, nq + 2 nk) clamped to
- * [-clip, clip] where clip > 0 (OLMoE). Both in fmt 0 or 1. */
+ * [-clip, clip] where clip > 0 (OLMoE; the limit rounded to fmt first, as torch's clamp
+ * of a 16-bit tensor rounds it). Both in fmt 0 or 1. */
 void ft_qkv_whole(void *qkv, int fmt, int64_t t_count, int64_t w, int64_t nq, int64_t nk,
                   const uint16_t *wq, const uint16_t *wk, float eps, float clip, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (t_count >= 32)
@@ -67,10 +68,12 @@ void ft_qkv_whole(void *qkv, int fmt, int64_t t_count, int64_t w, int64_t nq, in
             ft_rms_norm(row, NULL, wq, eps, 1, nq, fmt, row, NULL, 1);
             ft_rms_norm(row + nq, NULL, wk, eps, 1, nk, fmt, row + nq, NULL, 1);
         }
-        if (clip > 0.f)
+        if (clip > 0.f) {
+            const float c = round_to(clip, fmt);
             for (int64_t e = 0; e < nq + 2 * nk; e++) {
                 const float v = scalar_w(row + e, fmt);
-                store_as(row, e, v > clip ? clip : v < -clip ? -clip : v, fmt);
+                store_as(row, e, v > c ? c : v < -c ? -c : v, fmt);
             }
+        }
     }
 }

@@ -12,14 +12,17 @@
  *   q [B, H (N + R)] in fmt: q_b_proj's output (each head [nope | pe], pe not yet rotated);
  *   kv [B, L + R] in fmt: kv_a_proj_with_mqa's ([c_kv | k_pe], neither normed nor rotated);
  *   kv_norm [L] in fmt (kv_a_layernorm's scale), eps; cos_sin [P, R] f32, pos [B];
- *   cache [NB, BS, L + R] in cfmt (0 bf16, 1 fp16, 2 f32), slots [B] (-1 writes nothing),
+ *   cache [NB, BS, L + R] in cfmt (0 bf16, 1 fp16, 2 f32: the reference rounds a cache in
+ *   another dtype than fmt's to it, so cpu_mla.py binds only a cache in fmt), slots [B]
+ *   (-1 writes nothing),
  *   tables [B, M] i32, lens [B] i32 (keys after this step);
  *   w_kvb [H, N + V, L] in fmt: kv_b_proj's weight (per head W_UK [N, L], then W_UV [V, L]);
  *   scratch: B H (L + R) f32; out [B, H V] in fmt.
  * Each step rounded to fmt where the modules' reference rounds (mla.py's attend_absorbed):
  *   the latent: c_kv = ft_rms_norm's (the same bits), k_pe rotated in float32, rounded;
  *   q_pe rotated, rounded; q_abs = q_nope W_UK summed in float32, rounded;
- *   scores (q_abs . c_kv + q_pe . k_pe) scale in float32, softmax, each probability rounded
+ *   scores: q_abs . c_kv + q_pe . k_pe summed in float32 and rounded (the reference's einsum
+ *   on 16-bit tensors), times scale in float32; softmax, each probability rounded
  *   (the reference's probs.to(q.dtype)); o_lat = sum p c_kv in float32, rounded;
  *   out = W_UV o_lat in float32, rounded.
  * Returns 0, -1 out of memory, -2 an index outside the cache, its table or the rope table.
@@ -150,7 +153,7 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                         float s = hsum(dots[g]);
                         for (int64_t f = e; f < lr; f++)
                             s += qs[g * lr + f] * load_as(cache, at + f, cfmt);
-                        sc[g * len + j] = s * scale;
+                        sc[g * len + j] = round_to(s, fmt) * scale;   /* (a 16-bit einsum's) */
                     }
                 }
                 for (int64_t g = 0; g < nh; g++) {

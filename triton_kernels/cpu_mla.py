@@ -40,12 +40,13 @@ class CpuMlaDecode:
         self.cache = None                   # the last cache accepted
 
     def takes(self, cache: torch.Tensor) -> bool:
-        """Whether the call reads and writes this latent cache: [NB, BS, L + R], 16-bit or
-        float32, contiguous, on the CPU (the engine's is the same tensor every step)."""
+        """Whether the call reads and writes this latent cache: [NB, BS, L + R] in the model's
+        dtype (the reference rounds another to it before its products), contiguous, on the
+        CPU (the engine's is the same tensor every step)."""
         if cache is self.cache:
             return True
         _, _, r, l, _ = self.dims
-        ok = (cache.dim() == 3 and cache.shape[2] == l + r and cache.dtype in _IO_FORMATS
+        ok = (cache.dim() == 3 and cache.shape[2] == l + r and cache.dtype == self.dtype
               and cache.is_contiguous() and cache.device.type == "cpu")
         if ok:
             self.cache = cache

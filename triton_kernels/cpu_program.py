@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from triton_kernels.cpu_native import ATTN_RANGE, OP_ATTN, NativeKernels, Op, _check_rc
+from triton_kernels.cpu_native import (ATTN_RANGE, OP_ATTN, OP_GDN, OP_MLA, NativeKernels, Op,
+                                       _check_rc)
 
 _INTS = 32          # cpu_program.c's OP_INTS
 
@@ -93,9 +94,12 @@ class CpuProgram:
                                  ctypes.byref(failed))
             if rc:
                 op, label = ops[failed.value]
+                if op.kind == OP_GDN:
+                    from triton_kernels.cpu_gated_delta import _raise
+                    _raise(rc, label)
                 if rc == -2:
-                    raise ValueError(f"{label}: " + (ATTN_RANGE if op.kind == OP_ATTN else
-                                                     "an expert id outside its bank"))
+                    raise ValueError(f"{label}: " + (ATTN_RANGE if op.kind in (OP_ATTN, OP_MLA)
+                                                     else "an expert id outside its bank"))
                 if rc == -4:
                     raise ValueError(f"{label}: op kind {op.kind} is not one the library has")
                 _check_rc(rc, label, "its scratch")     # -3: int4 groups; else memory

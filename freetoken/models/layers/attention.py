@@ -105,6 +105,8 @@ class Attention(nn.Module):
             return None
         norms = (None if cfg.qk_norm != "all" else
                  tuple(n.scale().detach().contiguous() for n in (self.q_norm, self.k_norm)))
+        if cfg.output_gate and (norms is not None or cfg.clip_qkv is not None):
+            return None                 # (no family has both: CpuDecodeAttention refuses it)
         return tk.CpuDecodeAttention(
             kernel, (self.num_heads, self.num_kv_heads, self.head_dim), q_w, k_w,
             cfg.rms_norm_eps, self.scale, cfg.sliding_window, self.sinks,

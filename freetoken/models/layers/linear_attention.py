@@ -117,7 +117,8 @@ class GatedDeltaNet(nn.Module):
             return 0 if self.proj_packed is None else self.proj_packed.nbytes
         c = self.cfg
         self.cpu_native = tk.CpuGatedDelta(kernel, self.conv1d.weight.squeeze(1))
-        if self.proj_packed is not None and kernel.handles(self.norm.weight.dtype):
+        if (self.proj_packed is not None and kernel.handles(self.norm.weight.dtype)
+                and 2 <= c.conv_kernel <= 16):                  # (the kernel's conv widths)
             self.cpu_decode = tk.GdnDecodeCall(
                 kernel, self.conv1d.weight.squeeze(1), self.proj_layout(),
                 sum(self.proj_widths), (c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim),

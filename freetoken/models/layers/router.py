@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import triton_kernels as tk
+from triton_kernels.cpu_linear import NATIVE_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,8 @@ class Router(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
-        if self.exact is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+        if (self.exact is not None and x.dtype == self.weight.dtype and x.device.type == "cpu"
+                and x.shape[0] < NATIVE_ROWS):              # (decode rows: the GEMV's)
             return self.exact(x, torch.float32)
         if self.cfg.float32:
             bias = None if self.bias is None else self.bias.float()
