@@ -25,88 +25,11 @@
  * float32, rounded once.
  */
 #include "cpu_amx.h"
+#include "cpu_heads.h"
 
 /* p[i] in fmt, rounded to it first. */
 static inline void st(void *p, int64_t i, float f, int fmt) {
     store_as(p, i, round_to(f, fmt), fmt);
-}
-
-/* VW values of p from element i on, widened to float32. */
-static inline vf load_vec(const void *p, int64_t i, int fmt) {
-    if (fmt == 2) {
-        vf f;
-        memcpy(&f, (const float *)p + i, sizeof f);
-        return f;
-    }
-    return load_w((const uint16_t *)p + i, fmt);
-}
-
-#define GMAX 8      /* q heads a pass over a kv head's keys and values serves */
-
-/* sc[g * stride] = (q_g . k) * scale for the nh (<= GMAX) q heads q [nh, dh] (float32)
- * sharing key k (in fmt, at element `at`): each of k's vectors widened once for them all;
- * every dot in vector lanes, then across them, then the tail (one fixed order). */
-static inline void dots_heads(const float *q, int64_t nh, const void *k, int64_t at,
-                              int64_t dh, int fmt, float scale, float *sc, int64_t stride) {
-    vf acc[GMAX];
-    for (int64_t g = 0; g < nh; g++)
-        acc[g] = (vf){0};
-    int64_t d = 0;
-    for (; d + VW <= dh; d += VW) {
-        vf kv = load_vec(k, at + d, fmt);
-        for (int64_t g = 0; g < nh; g++) {
-            vf qv;
-            memcpy(&qv, q + g * dh + d, sizeof qv);
-            acc[g] += qv * kv;
-        }
-    }
-    for (int64_t g = 0; g < nh; g++) {
-        float s = hsum(acc[g]);
-        for (int64_t e = d; e < dh; e++)
-            s += q[g * dh + e] * load_as(k, at + e, fmt);
-        sc[g * stride] = s * scale;
-    }
-}
-
-/* h_g += p[g * stride] * v over dh for the nh q heads' sums h [nh, dh], v (in fmt, at
- * element `at`) widened once for them all. */
-static inline void add_scaled_heads(float *h, const float *p, int64_t stride, int64_t nh,
-                                    const void *v, int64_t at, int64_t dh, int fmt) {
-    int64_t d = 0;
-    for (; d + VW <= dh; d += VW) {
-        vf vv = load_vec(v, at + d, fmt);
-        for (int64_t g = 0; g < nh; g++) {
-            vf hv;
-            memcpy(&hv, h + g * dh + d, sizeof hv);
-            hv += p[g * stride] * vv;
-            memcpy(h + g * dh + d, &hv, sizeof hv);
-        }
-    }
-    for (; d < dh; d++) {
-        float vd = load_as(v, at + d, fmt);
-        for (int64_t g = 0; g < nh; g++)
-            h[g * dh + d] += p[g * stride] * vd;
-    }
-}
-
-/* One head [dh] of a token: RMSNorm (when w), then RoPE over its first r dims, in float32. */
-static void norm_rope(float *h, int64_t dh, const float *w, float eps, const float *cs,
-                      int64_t r, int interleaved) {
-    if (w) {
-        float ss = 0.f;
-        for (int64_t d = 0; d < dh; d++)
-            ss += h[d] * h[d];
-        float inv = 1.f / sqrtf(ss / (float)dh + eps);
-        for (int64_t d = 0; d < dh; d++)
-            h[d] = h[d] * inv * w[d];
-    }
-    int64_t half = r / 2;
-    for (int64_t i = 0; i < half; i++) {
-        int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        float c = cs[i], s = cs[half + i], x1 = h[a], x2 = h[b];
-        h[a] = x1 * c - x2 * s;
-        h[b] = x2 * c + x1 * s;
-    }
 }
 
 #if FT_AMX
@@ -306,16 +229,10 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                    const int32_t *lens, int64_t window, const float *sinks, float scale,
                    int threads, float *q_scratch, void *out) {
     const int64_t qw = gated ? 2 * dh : dh, width = hq * qw + 2 * hk * dh;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < b_count; b++) {       /* every index checked before any is used */
-        if (lens[b] < 1 || (lens[b] - 1) / bs >= max_blocks || pos[b] < 0 || pos[b] >= n_pos
-            || slots[b] < -1 || slots[b] >= nb * bs)
-            return -2;
-        for (int64_t i = 0; i <= (lens[b] - 1) / bs; i++)
-            if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= nb)
-                return -2;
-        longest = lens[b] > longest ? lens[b] : longest;
-    }
+    const int64_t longest = decode_indices(b_count, lens, pos, n_pos, slots, tables, max_blocks,
+                                           nb, bs);
+    if (longest < 0)
+        return -2;
     /* Step 2 takes a kv head's q heads GMAX at a time (a chunk: each key and value row
      * read and widened once for all of them, not once a q head). */
     const int64_t group = hq / hk, chunk = group < GMAX ? group : GMAX;

@@ -85,6 +85,36 @@ int ft_causal_conv1d(const void *x, int fmt, int64_t t_count, int64_t c, int64_t
     return 0;
 }
 
+/* One token of the rule on a state s [Dk, Dv] (float32, in place), q and k [Dk] prepared:
+ *   S = S decay;  pred = k S;  delta = b (v - pred);  S = S + k^T delta;  o = q S
+ * v [Dv] float32 (delta may be v itself: each is read before it is written); pred, o [Dv]. */
+static inline void rule_step(float *s, const float *qf, const float *kf, const float *v,
+                             float decay, float b, int64_t dk, int64_t dv, float *pred,
+                             float *delta, float *o) {
+    for (int64_t e = 0; e < dv; e++)
+        pred[e] = 0.f;
+    for (int64_t d = 0; d < dk; d++) {              /* S = S exp(g), and k S, a row at a time */
+        float *row = s + d * dv;
+        const float kd = kf[d];
+        for (int64_t e = 0; e < dv; e++) {
+            row[e] *= decay;
+            pred[e] += row[e] * kd;
+        }
+    }
+    for (int64_t e = 0; e < dv; e++) {
+        delta[e] = b * (v[e] - pred[e]);
+        o[e] = 0.f;
+    }
+    for (int64_t d = 0; d < dk; d++) {              /* S = S + k^T delta, and q S */
+        float *row = s + d * dv;
+        const float kd = kf[d], qd = qf[d];
+        for (int64_t e = 0; e < dv; e++) {
+            row[e] += kd * delta[e];
+            o[e] += row[e] * qd;
+        }
+    }
+}
+
 /* x [n] (fmt, at p) -> out float32, l2-normed when asked, times mul. */
 static inline void load_head(const void *p, int64_t at, int64_t n, int fmt, int l2norm,
                              float mul, float *out) {
@@ -131,30 +161,9 @@ int ft_gated_delta(const void *q, const void *k, const void *v, int fmt, int64_t
                     load_head(q, t * qs + kh * dk, dk, fmt, l2norm, scale, qf);
                     load_head(k, t * ks + kh * dk, dk, fmt, l2norm, 1.f, kf);
                     const float decay = expf(g[t * hv + h]), b = load_as(beta, t * hv + h, bfmt);
-                    /* S = S exp(g), and k S, a row of S at a time */
                     for (int64_t e = 0; e < dv; e++)
-                        pred[e] = 0.f;
-                    for (int64_t d = 0; d < dk; d++) {
-                        float *row = s + d * dv;
-                        const float kd = kf[d];
-                        for (int64_t e = 0; e < dv; e++) {
-                            row[e] *= decay;
-                            pred[e] += row[e] * kd;
-                        }
-                    }
-                    for (int64_t e = 0; e < dv; e++) {
-                        delta[e] = b * (load_as(v, t * vs + h * dv + e, fmt) - pred[e]);
-                        o[e] = 0.f;
-                    }
-                    /* S = S + k^T delta, and q S */
-                    for (int64_t d = 0; d < dk; d++) {
-                        float *row = s + d * dv;
-                        const float kd = kf[d], qd = qf[d];
-                        for (int64_t e = 0; e < dv; e++) {
-                            row[e] += kd * delta[e];
-                            o[e] += row[e] * qd;
-                        }
-                    }
+                        delta[e] = load_as(v, t * vs + h * dv + e, fmt);
+                    rule_step(s, qf, kf, delta, decay, b, dk, dv, pred, delta, o);
                     for (int64_t e = 0; e < dv; e++)
                         store_as(out, (t * hv + h) * dv + e, round_to(o[e], fmt), fmt);
                 }
@@ -264,29 +273,7 @@ int ft_gdn_decode(const void *proj, int fmt, int64_t b_count, int64_t ps, const 
                     float *s = pool + ((int64_t)slots[i] * hv + hh) * dk * dv;
                     if (!has[i])
                         memset(s, 0, dk * dv * sizeof(float));
-                    const float *v = vf_ + j * dv;
-                    for (int64_t e = 0; e < dv; e++)
-                        pred[e] = 0.f;
-                    for (int64_t d = 0; d < dk; d++) {
-                        float *srow = s + d * dv;
-                        const float kd = kf[d];
-                        for (int64_t e = 0; e < dv; e++) {
-                            srow[e] *= decay;
-                            pred[e] += srow[e] * kd;
-                        }
-                    }
-                    for (int64_t e = 0; e < dv; e++) {
-                        delta[e] = b * (v[e] - pred[e]);
-                        o[e] = 0.f;
-                    }
-                    for (int64_t d = 0; d < dk; d++) {
-                        float *srow = s + d * dv;
-                        const float kd = kf[d], qd = qf[d];
-                        for (int64_t e = 0; e < dv; e++) {
-                            srow[e] += kd * delta[e];
-                            o[e] += srow[e] * qd;
-                        }
-                    }
+                    rule_step(s, qf, kf, vf_ + j * dv, decay, b, dk, dv, pred, delta, o);
                     /* the gated RMSNorm of this head's o */
                     float ss = 0.f;
                     for (int64_t e = 0; e < dv; e++) {

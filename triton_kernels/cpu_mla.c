@@ -27,29 +27,7 @@
  *   out = W_UV o_lat in float32, rounded.
  * Returns 0, -1 out of memory, -2 an index outside the cache, its table or the rope table.
  */
-#include "cpu_dot.h"
-
-#define MLA_HEADS 8     /* heads a pass over a sequence's latents serves */
-
-static inline vf load_vec(const void *p, int64_t i, int fmt) {
-    if (fmt == 2) {
-        vf f;
-        memcpy(&f, (const float *)p + i, sizeof f);
-        return f;
-    }
-    return load_w((const uint16_t *)p + i, fmt);
-}
-
-/* Pairs of h [R] rotated by position cs's (cos of the R/2 pairs, then sin). */
-static inline void rope(float *h, int64_t r, const float *cs, int interleaved) {
-    const int64_t half = r / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const int64_t a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + half;
-        const float c = cs[i], s = cs[half + i], x1 = h[a], x2 = h[b];
-        h[a] = x1 * c - x2 * s;
-        h[b] = x2 * c + x1 * s;
-    }
-}
+#include "cpu_heads.h"
 
 int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64_t h,
                   int64_t n, int64_t r, int64_t l, int64_t v, const uint16_t *kv_norm,
@@ -59,28 +37,22 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                   const int32_t *lens, const void *w_kvb, float scale, int threads,
                   float *scratch, void *out) {
     const int64_t lr = l + r, qw = n + r;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < b_count; b++) {       /* every index checked before any is used */
-        if (lens[b] < 1 || (lens[b] - 1) / bs >= max_blocks || pos[b] < 0 || pos[b] >= n_pos
-            || slots[b] < -1 || slots[b] >= nb * bs)
-            return -2;
-        for (int64_t i = 0; i <= (lens[b] - 1) / bs; i++)
-            if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= nb)
-                return -2;
-        longest = lens[b] > longest ? lens[b] : longest;
-    }
-    const int64_t chunks = (h + MLA_HEADS - 1) / MLA_HEADS;
+    const int64_t longest = decode_indices(b_count, lens, pos, n_pos, slots, tables, max_blocks,
+                                           nb, bs);
+    if (longest < 0)
+        return -2;
+    const int64_t chunks = (h + GMAX - 1) / GMAX;
     int bad = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *acc = malloc((MLA_HEADS * (l > v ? l : v) + MLA_HEADS * longest + lr)
+        float *acc = malloc((GMAX * (l > v ? l : v) + GMAX * longest + lr)
                             * sizeof(float));
         uint16_t *row = malloc(l * sizeof(uint16_t));
         if (!acc || !row)
             __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
 #pragma omp barrier
         if (!__atomic_load_n(&bad, __ATOMIC_RELAXED)) {
-            float *sc = acc + MLA_HEADS * (l > v ? l : v), *tmp = sc + MLA_HEADS * longest;
+            float *sc = acc + GMAX * (l > v ? l : v), *tmp = sc + GMAX * longest;
             /* 1. Per sequence, the new latent into its cache slot; per (sequence, head) the
              *    query in latent space: [q_nope W_UK | rotated q_pe] into the scratch. */
 #pragma omp for schedule(static)
@@ -94,7 +66,7 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                     ft_rms_norm(x, NULL, kv_norm, eps, 1, l, fmt, row, NULL, 1);
                     for (int64_t e = 0; e < r; e++)
                         tmp[e] = scalar_w(x + l + e, fmt);
-                    rope(tmp, r, cs, interleaved);
+                    norm_rope(tmp, r, NULL, 0.f, cs, r, interleaved);
                     const int64_t at = slots[b] * lr;
                     for (int64_t e = 0; e < l; e++)
                         store_as(cache, at + e, round_to(scalar_w(row + e, fmt), cfmt), cfmt);
@@ -106,7 +78,7 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                 float *ql = scratch + (b * h + hd) * lr;
                 for (int64_t e = 0; e < r; e++)
                     tmp[e] = load_as(q, qa + n + e, fmt);
-                rope(tmp, r, cs, interleaved);
+                norm_rope(tmp, r, NULL, 0.f, cs, r, interleaved);
                 for (int64_t e = 0; e < r; e++)
                     ql[l + e] = round_to(tmp[e], fmt);
                 for (int64_t e = 0; e < l; e++)
@@ -131,30 +103,15 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
              *    latent output, W_UV out of it. */
 #pragma omp for schedule(dynamic)
             for (int64_t item = 0; item < b_count * chunks; item++) {
-                const int64_t b = item / chunks, h0 = item % chunks * MLA_HEADS;
-                const int64_t nh = h - h0 < MLA_HEADS ? h - h0 : MLA_HEADS, len = lens[b];
+                const int64_t b = item / chunks, h0 = item % chunks * GMAX;
+                const int64_t nh = h - h0 < GMAX ? h - h0 : GMAX, len = lens[b];
                 const int32_t *table = tables + b * max_blocks;
                 const float *qs = scratch + (b * h + h0) * lr;
                 for (int64_t j = 0; j < len; j++) {
                     const int64_t at = ((int64_t)table[j / bs] * bs + j % bs) * lr;
-                    vf dots[MLA_HEADS];
-                    for (int64_t g = 0; g < nh; g++)
-                        dots[g] = (vf){0};
-                    int64_t e = 0;
-                    for (; e + VW <= lr; e += VW) {
-                        const vf c = load_vec(cache, at + e, cfmt);
-                        for (int64_t g = 0; g < nh; g++) {
-                            vf qv;
-                            memcpy(&qv, qs + g * lr + e, sizeof qv);
-                            dots[g] += qv * c;
-                        }
-                    }
-                    for (int64_t g = 0; g < nh; g++) {
-                        float s = hsum(dots[g]);
-                        for (int64_t f = e; f < lr; f++)
-                            s += qs[g * lr + f] * load_as(cache, at + f, cfmt);
-                        sc[g * len + j] = round_to(s, fmt) * scale;   /* (a 16-bit einsum's) */
-                    }
+                    dots_heads(qs, nh, cache, at, lr, cfmt, 1.f, sc + j, len);
+                    for (int64_t g = 0; g < nh; g++)         /* (a 16-bit einsum's rounding) */
+                        sc[g * len + j] = round_to(sc[g * len + j], fmt) * scale;
                 }
                 for (int64_t g = 0; g < nh; g++) {
                     float *p = sc + g * len, m = -INFINITY, sum = 0.f;
@@ -167,24 +124,9 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                 }
                 for (int64_t i = 0; i < nh * l; i++)
                     acc[i] = 0.f;
-                for (int64_t j = 0; j < len; j++) {
-                    const int64_t at = ((int64_t)table[j / bs] * bs + j % bs) * lr;
-                    int64_t e = 0;
-                    for (; e + VW <= l; e += VW) {
-                        const vf c = load_vec(cache, at + e, cfmt);
-                        for (int64_t g = 0; g < nh; g++) {
-                            vf a;
-                            memcpy(&a, acc + g * l + e, sizeof a);
-                            a += sc[g * len + j] * c;
-                            memcpy(acc + g * l + e, &a, sizeof a);
-                        }
-                    }
-                    for (; e < l; e++) {
-                        const float c = load_as(cache, at + e, cfmt);
-                        for (int64_t g = 0; g < nh; g++)
-                            acc[g * l + e] += sc[g * len + j] * c;
-                    }
-                }
+                for (int64_t j = 0; j < len; j++)
+                    add_scaled_heads(acc, sc + j, len, nh, cache,
+                                     ((int64_t)table[j / bs] * bs + j % bs) * lr, l, cfmt);
                 for (int64_t g = 0; g < nh; g++) {
                     float *o = acc + g * l;
                     for (int64_t e = 0; e < l; e++)

@@ -54,7 +54,7 @@ _HERE = Path(__file__).parent
 _SOURCES = ("cpu_moe.c", "cpu_amx.c", "cpu_amx_attention.c", "cpu_linear.c", "cpu_attention.c",
             "cpu_norm.c", "cpu_route.c", "cpu_program.c", "cpu_gated_delta.c", "cpu_gates.c",
             "cpu_mla.c")
-_HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h")
+_HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h", "cpu_heads.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
