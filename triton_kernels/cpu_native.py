@@ -491,7 +491,7 @@ class NativeKernels:
                 and t.device.type == "cpu" for t, shape in pairs)):
             raise ValueError(f"native {what}: " + ", ".join(
                 f"{list(shape)}" for _, shape in pairs) + " contiguous on the CPU in one "
-                f"16-bit or float32 dtype expected, got " + ", ".join(
+                "16-bit or float32 dtype expected, got " + ", ".join(
                 f"{tuple(t.shape)} {t.dtype}" for t, _ in pairs))
         return _IO_FORMATS[pairs[0][0].dtype]
 

@@ -5,7 +5,6 @@ the activation natively (cpu_gates.c: silu(g) * u in one call, rounded as HF's t
 a decode program (engine/cpu_graph.py) records the MLP as three native calls.
 """
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
