@@ -64,6 +64,63 @@ static inline void add_scaled_heads(float *h, const float *p, int64_t stride, in
     }
 }
 
+/* add_scaled_heads over n rows for exactly GMAX heads: h_g += sum_j p[g * stride + j] v_j,
+ * v_j (in fmt) at element rows[j]. The heads' sums stay in registers across a block of rows,
+ * a slice of ROW_VECS vectors of dh at a time, the block's rows in L2 between its slices (the
+ * per-row form loads and stores every head's sums for every row: most of MLA's long-context
+ * time); each element sums its rows in the same order with the same fused multiply-adds,
+ * so the same bits. */
+#define ROW_VECS (VW == 16 ? 2 : 1)     /* GMAX x ROW_VECS sums, in AVX-512's 32 registers */
+#define ROW_BLOCK 256                   /* rows a block: MLA's 1152-byte latents, ~300 KB */
+static inline void add_scaled_block(float *h, const float *p, int64_t stride, const void *v,
+                                    const int64_t *rows, int64_t n, int64_t dh, int fmt) {
+    int64_t d = 0;
+    for (; d + ROW_VECS * VW <= dh; d += ROW_VECS * VW) {
+        vf acc[GMAX][ROW_VECS];
+        for (int g = 0; g < GMAX; g++)
+            for (int u = 0; u < ROW_VECS; u++)
+                memcpy(&acc[g][u], h + g * dh + d + u * VW, sizeof(vf));
+        for (int64_t j = 0; j < n; j++) {
+            vf vv[ROW_VECS];
+            for (int u = 0; u < ROW_VECS; u++)
+                vv[u] = load_vec(v, rows[j] + d + u * VW, fmt);
+            for (int g = 0; g < GMAX; g++) {
+                const float pg = p[g * stride + j];
+                for (int u = 0; u < ROW_VECS; u++)
+                    acc[g][u] += pg * vv[u];
+            }
+        }
+        for (int g = 0; g < GMAX; g++)
+            for (int u = 0; u < ROW_VECS; u++)
+                memcpy(h + g * dh + d + u * VW, &acc[g][u], sizeof(vf));
+    }
+    for (int64_t j = 0; j < n; j++)             /* the rest of dh: the per-row form's */
+        for (int64_t e = d; e < dh; e += (dh - e >= VW ? VW : dh - e)) {
+            if (dh - e >= VW) {
+                const vf vv = load_vec(v, rows[j] + e, fmt);
+                for (int g = 0; g < GMAX; g++) {
+                    vf hv;
+                    memcpy(&hv, h + g * dh + e, sizeof hv);
+                    hv += p[g * stride + j] * vv;
+                    memcpy(h + g * dh + e, &hv, sizeof hv);
+                }
+            } else {
+                for (int64_t f = e; f < dh; f++) {
+                    const float vd = load_as(v, rows[j] + f, fmt);
+                    for (int g = 0; g < GMAX; g++)
+                        h[g * dh + f] += p[g * stride + j] * vd;
+                }
+            }
+        }
+}
+
+static inline void add_scaled_rows(float *h, const float *p, int64_t stride, const void *v,
+                                   const int64_t *rows, int64_t n, int64_t dh, int fmt) {
+    for (int64_t j0 = 0; j0 < n; j0 += ROW_BLOCK)
+        add_scaled_block(h, p + j0, stride, v, rows + j0, n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK,
+                         dh, fmt);
+}
+
 /* One head [dh] of a token: RMSNorm (when w), then RoPE over its first r dims, in float32. */
 static inline void norm_rope(float *h, int64_t dh, const float *w, float eps, const float *cs,
                              int64_t r, int interleaved) {

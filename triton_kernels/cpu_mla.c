@@ -48,7 +48,8 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
         float *acc = malloc((GMAX * (l > v ? l : v) + GMAX * longest + lr)
                             * sizeof(float));
         uint16_t *row = malloc(l * sizeof(uint16_t));
-        if (!acc || !row)
+        int64_t *rows = malloc(longest * sizeof(int64_t));     /* a sequence's latent rows */
+        if (!acc || !row || !rows)
             __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
 #pragma omp barrier
         if (!__atomic_load_n(&bad, __ATOMIC_RELAXED)) {
@@ -125,8 +126,12 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                 for (int64_t i = 0; i < nh * l; i++)
                     acc[i] = 0.f;
                 for (int64_t j = 0; j < len; j++)
-                    add_scaled_heads(acc, sc + j, len, nh, cache,
-                                     ((int64_t)table[j / bs] * bs + j % bs) * lr, l, cfmt);
+                    rows[j] = ((int64_t)table[j / bs] * bs + j % bs) * lr;
+                if (nh == GMAX)
+                    add_scaled_rows(acc, sc, len, cache, rows, len, l, cfmt);
+                else
+                    for (int64_t j = 0; j < len; j++)
+                        add_scaled_heads(acc, sc + j, len, nh, cache, rows[j], l, cfmt);
                 for (int64_t g = 0; g < nh; g++) {
                     float *o = acc + g * l;
                     for (int64_t e = 0; e < l; e++)
@@ -150,6 +155,7 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
         }
         free(acc);
         free(row);
+        free(rows);
     }
     return bad ? -1 : 0;
 }
