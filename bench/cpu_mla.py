@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's freetoken
+from cpu_attention import median_ms  # noqa: E402 - bench/, the script's own folder
 
 
 def layer_of(heads: int, hidden: int):
@@ -62,16 +61,6 @@ def batch_at(layer, context: int):
         block_tables=torch.arange(-(-context // bs), dtype=torch.int32)[None],
         slot_mapping=torch.tensor([context - 1]), logits_indices=torch.arange(1),
         max_seqlen_q=1, num_seqs=1, kv=kv)
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main(argv=None) -> int:
