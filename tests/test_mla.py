@@ -30,8 +30,8 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _layer(q_lora, seed=0):
-    cfg = MlaConfig(hidden_size=48, num_heads=3, q_lora_rank=q_lora, kv_lora_rank=20,
+def _layer(q_lora, seed=0, heads=3):
+    cfg = MlaConfig(hidden_size=48, num_heads=heads, q_lora_rank=q_lora, kv_lora_rank=20,
                     qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, softmax_mscale=1.3)
     rope = RopeTable({"rope_type": "default", "rope_theta": 10000.0}, cfg.qk_rope_head_dim)
     rope.build(64, "cpu")
@@ -306,8 +306,11 @@ def test_warmup_runs_both_forms_of_prefill(tiny, monkeypatch):
     assert any(kind == "decompressed" and n > 1 for kind, n in seen)
 
 
-@pytest.mark.parametrize("q_lora,interleaved", [(16, True), (None, False)])
-def test_bf16_decode_step_on_the_native_call_is_the_torch_paths(q_lora, interleaved):
+# 3 heads: one chunk of fewer than 8, the sums a latent at a time; 11: a chunk of 8 (the sums
+# in registers across blocks of latents, L 20 their vector and scalar tails) and one of 3
+@pytest.mark.parametrize("q_lora,interleaved,heads", [(16, True, 3), (None, False, 3),
+                                                      (16, False, 11)])
+def test_bf16_decode_step_on_the_native_call_is_the_torch_paths(q_lora, interleaved, heads):
     """A bf16 CPU engine's decode step (cpu_mla.c: the latent's norm, rope and write, W_UK,
     attention over the latents, W_UV) against the modules' torch path on the same input and
     cache: the output within a few bf16 steps of its norm (each rounds q_abs, the
@@ -322,7 +325,7 @@ def test_bf16_decode_step_on_the_native_call_is_the_torch_paths(q_lora, interlea
     from freetoken.engine.kv_cache import KVCache
     if tk.native_kernels() is None:
         pytest.skip("no C compiler: no native kernels")
-    layer, g = _layer(q_lora, seed=4)
+    layer, g = _layer(q_lora, seed=4, heads=heads)
     layer.cfg = dataclasses.replace(layer.cfg, rope_interleaved=interleaved)
     layer = layer.bfloat16()
     for m in layer.modules():                 # a CPU engine's packing (linear.pack_for_cpu)
