@@ -110,9 +110,8 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     - float32, a weight decoded from a quantized format (fp8, the 4-bit float formats) for a
       model computing in `dtype`: one 2-byte copy, bf16 for the native GEMV and AMX's GEMM
       in a bf16 model where both run (bf16's rounding, the tile decode's), else float16
-      (11 bits from 2^-14 up) packed for FBGEMM and read by the native GEMV; quant: its
-      quantized bytes for the native GEMV's rows instead (the copy then serves the GEMMs'
-      only).
+      packed for FBGEMM alone (11 bits from 2^-14 up); quant: its quantized bytes for the
+      native GEMV's rows (the copy then serves the GEMMs' only).
     The weight stays where a product reads it."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel():
         return None
@@ -123,10 +122,8 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                              quant=quant)
         if not packable(weight, decoded=True):
             return None
-        # (the native GEMV reads the float16 copy where no quantized rows are given, e.g. a
-        # fused q/k/v whose fp8 blocks straddle two projections: decode rows on the GEMV)
-        return CpuLinear(weight.half(), bias, kernel=kernel, amx=False, own_weight=True,
-                         quant=quant)
+        return CpuLinear(weight.half(), bias, kernel=kernel if quant is not None else None,
+                         amx=False, own_weight=True, quant=quant)
     if weight.dtype not in (torch.bfloat16, torch.float16):
         return None
     needs_fbgemm = not (kernel is not None and amx and weight.dtype == torch.bfloat16)
