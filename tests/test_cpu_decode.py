@@ -566,7 +566,7 @@ def test_bf16_cpu_engine_decodes_through_the_native_step(tiny_model_dir, family,
         return routed[-1]
     monkeypatch.setattr(Router, "route", recorded)
     native = llm.generate(prompts, params)
-    assert len(calls) >= 11 * len(attns)            # every decode step of every layer
+    assert len(calls) >= 11 * len(attns) and routed  # every decode step of every layer
     for a in attns:
         a.cpu_decode = None
     calls.clear()
