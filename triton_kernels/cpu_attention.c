@@ -347,6 +347,11 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 const int32_t *table = tables + b * max_blocks;
                 for (int64_t j = first; j < len; j++) {
                     int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
+                    if (j + PF_KEYS < len) {
+                        const int64_t ahead = j + PF_KEYS;
+                        prefetch_row(k_cache, (((int64_t)table[ahead / bs] * bs + ahead % bs)
+                                               * hk + kv) * dh, dh, cfmt);
+                    }
                     dots_heads(q, nh, k_cache, at, dh, cfmt, scale, scores + (j - first), n);
                 }
                 float denom[GMAX];
@@ -367,6 +372,11 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                     h[i] = 0.f;
                 for (int64_t j = first; j < len; j++) {
                     int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
+                    if (j + PF_KEYS < len) {
+                        const int64_t ahead = j + PF_KEYS;
+                        prefetch_row(v_cache, (((int64_t)table[ahead / bs] * bs + ahead % bs)
+                                               * hk + kv) * dh, dh, cfmt);
+                    }
                     add_scaled_heads(h, scores + (j - first), n, nh, v_cache, at, dh, cfmt);
                 }
                 for (int64_t g = 0; g < nh; g++)

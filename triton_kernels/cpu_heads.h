@@ -18,6 +18,21 @@ static inline vf load_vec(const void *p, int64_t i, int fmt) {
 
 #define GMAX 8      /* q heads a pass over a kv head's keys and values serves */
 
+/* Rows this many keys ahead are asked into L1 as a loop over a sequence's keys reads them:
+ * a paged cache's rows of one kv head lie hk * dh apart, so each key is its own cache
+ * lines, and without it a thread had one or two of them in flight (the loop's work a key
+ * fills the reorder window): an 8k context's decode attention ran at ~10x its K/V stream's
+ * time on a 2-core EPYC. */
+#define PF_KEYS 8
+
+/* Row `at` (dh elements in fmt) asked into L1. */
+static inline void prefetch_row(const void *p, int64_t at, int64_t dh, int fmt) {
+    const int64_t size = fmt == 2 ? 4 : 2;
+    const char *row = (const char *)p + at * size;
+    for (int64_t b = 0; b < dh * size; b += 64)
+        __builtin_prefetch(row + b, 0, 3);
+}
+
 /* sc[g * stride] = (q_g . k) * scale for the nh (<= GMAX) q heads q [nh, dh] (float32)
  * sharing key k (in fmt, at element `at`): each of k's vectors widened once for them all;
  * every dot in vector lanes, then across them, then the tail (one fixed order). */
