@@ -305,7 +305,7 @@ static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
  * block's first VW lanes, hi: the rest), each multiplied into the NT tokens' accumulators
  * lo_acc and hi_acc (the same array where the halves share one chain). */
 static inline __attribute__((always_inline)) void
-tile_block(const void *const *w, const void *const *gs, const int gshift, const float *const *x,
+tile_block(const void *const *w, const float *gsc, const float *gm, const float *const *x,
            const int j, const int NR, const int NT, const int fmt, vf (*lo_acc)[MAXT],
            vf (*hi_acc)[MAXT]) {
     vf xl[MAXT], xh[MAXT];
@@ -334,9 +334,7 @@ tile_block(const void *const *w, const void *const *gs, const int gshift, const 
         } else if (fmt == FT_E4M3) {
             load_e4m3((const uint8_t *)w[r] + j, &lo, &hi);
         } else if (is_int4(fmt)) {
-            float s, m;
-            int4_sm(gs[r], j >> gshift, fmt, &s, &m);
-            load_int4((const uint8_t *)w[r] + j / 2, s, m, &lo, &hi);
+            load_int4((const uint8_t *)w[r] + j / 2, gsc[r], gm[r], &lo, &hi);
         } else {
             lo = load_w((const uint16_t *)w[r] + j, 1);
             hi = load_w((const uint16_t *)w[r] + j + VW, 1);
@@ -369,14 +367,28 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
             #pragma GCC unroll 4
             for (int t = 0; t < NT; t++)
                 acc[c][r][t] = (vf){0};
+    /* int4: the rows' group (scale, offset), read as a block starts a group (groups are
+     * whole blocks, 2^gshift >= 2 * VW), not at every block: on AVX2 a block is 16 weights
+     * of groups of 32-128, and the scalar reads and broadcasts were a fifth of its ops */
+    float gsc[MAXR] = {0}, gm[MAXR] = {0};
+    const int gmask = is_int4(fmt) ? (1 << gshift) - 1 : 0;
+#define GROUP_AT(jj)                                                            \
+    if (is_int4(fmt) && !((jj) & gmask))                                        \
+        for (int r = 0; r < NR; r++)                                            \
+            int4_sm(gs[r], (jj) >> gshift, fmt, &gsc[r], &gm[r]);
     int j = 0;
     if (U == 2)
         for (; j + 4 * VW <= k; j += 4 * VW) {
-            tile_block(w, gs, gshift, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
-            tile_block(w, gs, gshift, x, j + 2 * VW, NR, NT, fmt, acc[C], acc[2 * C - 1]);
+            GROUP_AT(j)
+            tile_block(w, gsc, gm, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
+            GROUP_AT(j + 2 * VW)
+            tile_block(w, gsc, gm, x, j + 2 * VW, NR, NT, fmt, acc[C], acc[2 * C - 1]);
         }
-    for (; j + 2 * VW <= k; j += 2 * VW)
-        tile_block(w, gs, gshift, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
+    for (; j + 2 * VW <= k; j += 2 * VW) {
+        GROUP_AT(j)
+        tile_block(w, gsc, gm, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
+    }
+#undef GROUP_AT
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
         #pragma GCC unroll 4
