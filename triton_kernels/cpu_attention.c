@@ -66,8 +66,7 @@ static inline __attribute__((always_inline)) void pv_pass(
         for (int d = 0; d < 4; d++)
             acc[g][d] = _mm512_setzero_ps();
     for (int64_t j = it->k0; j < it->k1; j++) {
-        const uint16_t *v = v_cache + (((int64_t)table[j / bs] * bs + j % bs) * hk + it->kv) * dh
-            + d0;
+        const uint16_t *v = v_cache + key_row(table, j, bs, hk, it->kv, dh) + d0;
         const float *p = sc + (j - t0) * 16 + g0;
         __m512 vv[4];
         for (int d = 0; d < dn; d++)
@@ -346,13 +345,10 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 const float *q = q_scratch + (b * hq + h0) * dh;
                 const int32_t *table = tables + b * max_blocks;
                 for (int64_t j = first; j < len; j++) {
-                    int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
-                    if (j + PF_KEYS < len) {
-                        const int64_t ahead = j + PF_KEYS;
-                        prefetch_row(k_cache, (((int64_t)table[ahead / bs] * bs + ahead % bs)
-                                               * hk + kv) * dh, dh, cfmt);
-                    }
-                    dots_heads(q, nh, k_cache, at, dh, cfmt, scale, scores + (j - first), n);
+                    if (j + PF_KEYS < len)
+                        prefetch_row(k_cache, key_row(table, j + PF_KEYS, bs, hk, kv, dh), dh, cfmt);
+                    dots_heads(q, nh, k_cache, key_row(table, j, bs, hk, kv, dh), dh, cfmt, scale,
+                               scores + (j - first), n);
                 }
                 float denom[GMAX];
                 for (int64_t g = 0; g < nh; g++) {
@@ -371,13 +367,10 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 for (int64_t i = 0; i < nh * dh; i++)
                     h[i] = 0.f;
                 for (int64_t j = first; j < len; j++) {
-                    int64_t at = (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
-                    if (j + PF_KEYS < len) {
-                        const int64_t ahead = j + PF_KEYS;
-                        prefetch_row(v_cache, (((int64_t)table[ahead / bs] * bs + ahead % bs)
-                                               * hk + kv) * dh, dh, cfmt);
-                    }
-                    add_scaled_heads(h, scores + (j - first), n, nh, v_cache, at, dh, cfmt);
+                    if (j + PF_KEYS < len)
+                        prefetch_row(v_cache, key_row(table, j + PF_KEYS, bs, hk, kv, dh), dh, cfmt);
+                    add_scaled_heads(h, scores + (j - first), n, nh, v_cache,
+                                     key_row(table, j, bs, hk, kv, dh), dh, cfmt);
                 }
                 for (int64_t g = 0; g < nh; g++)
                     for (int64_t d = 0; d < dh; d++)

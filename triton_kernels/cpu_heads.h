@@ -25,6 +25,12 @@ static inline vf load_vec(const void *p, int64_t i, int fmt) {
  * time on a 2-core EPYC. */
 #define PF_KEYS 8
 
+/* The element where key j's row of kv head kv starts in a paged cache [NB, BS, Hk, Dh]. */
+static inline int64_t key_row(const int32_t *table, int64_t j, int64_t bs, int64_t hk,
+                              int64_t kv, int64_t dh) {
+    return (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
+}
+
 /* Row `at` (dh elements in fmt) asked into L1. */
 static inline void prefetch_row(const void *p, int64_t at, int64_t dh, int fmt) {
     const int64_t size = fmt == 2 ? 4 : 2;
