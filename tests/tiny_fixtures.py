@@ -79,3 +79,15 @@ def fp8_bank(w, bn, bk):
     q.view(torch.uint8)[0, 1, :8] = torch.arange(8, dtype=torch.uint8) | 0x80
     deq = q.float() * s.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
     return q, s.contiguous(), deq
+
+
+def int16_x_bound(kernel, x, w_abs, group):
+    """The most an int4 product's sums move where this build rounds 16-bit activations to
+    int16 per group (kernel.int4_activations "int16", cpu_dot.h's i4w): |x - xq sx| <= max |x|
+    / 65534 of each group of x [T, K], against the weights' magnitudes w_abs [N, K] -> [T, N]
+    in float64; zero where the activations meet the nibbles as they are."""
+    if kernel.int4_activations != "int16":
+        return torch.zeros(x.shape[0], w_abs.shape[0], dtype=torch.float64)
+    amax = x.double().abs().view(x.shape[0], -1, group).amax(-1)
+    unit = (amax / 65534 * (1 + 2.0 ** -10)).repeat_interleave(group, 1)
+    return unit @ w_abs.double().T

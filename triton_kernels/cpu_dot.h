@@ -450,11 +450,6 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
 #endif
 #define I4B_BLOCK 128
 
-/* Whether the bf16 path takes int4 rows of k elements against activations in xfmt. */
-static inline int i4b_takes(int64_t k, int xfmt) {
-    return FT_I4B && xfmt == 0 && k % I4B_BLOCK == 0;
-}
-
 /* The position of element e of a row in i4b's x: per block, the four unpack vectors (low
  * nibbles' low half, their high half, then the high nibbles'), each lane's 8 words in turn. */
 static inline int64_t i4b_index(int64_t e) {
@@ -560,20 +555,190 @@ i4b_tile(const void *const *w, const void *const *gs, const int gshift, const ui
 }
 #endif
 
-/* i4b_tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time (dots' shapes). */
-static inline void i4b_dots(const void *const *w, const void *const *gs, int gshift,
+/* INT4 rows against int16 activations through AVX2's pair products (vpmaddwd), where the
+ * CPU has no AVX512-BF16 and groups are whole blocks of I4W_BLOCK. load_int4's widening (an
+ * extend, two shifts or masks, two converts, two FMAs to form W and two to meet x: ~9 ops a
+ * 16 weights) bound the 2-core EPYC's INT4 decode at ~40% of DRAM speed. Here each group's
+ * x is rounded to int16 once per token (i4w_prepare: sx = max |x| / 32767 of the group,
+ * xq = round(x / sx)), and a block of 32 weights is one zero-extend of its 16 bytes to 16
+ * words (byte i: element 2i in the low nibble, 2i + 1 the high), a mask and a shift, and per
+ * token two vpmaddwd and two adds, summed exactly in int32 over the group (|sum| <= 15 *
+ * 32767 * 256 < 2^31 for groups up to 256); then per group
+ *     sum_j W_j x_j = s sx sum_j q_j xq_j + m X,   (W = q s + m, X the group's sum of x):
+ * one convert, a multiply and an FMA a group. x's rounding is the only change from the
+ * float32 path, so it is taken for 16-bit x only (a float32 model keeps that path's sums):
+ * |x - sx xq| <= max |x| / 65534 of its group, a 256th of a bf16 ulp of the group's largest
+ * element (llama.cpp's q8 activations round to max |x| / 254 per 32). */
+#if VW == 8 && defined(__AVX2__) && defined(__FMA__)
+#define FT_I4W 1
+#else
+#define FT_I4W 0
+#endif
+#define I4W_BLOCK 32
+#define I4W_ONE 32767.f
+
+/* The position of element e of a row in i4w's x: per block of 32, the even elements, then
+ * the odd ones (the low nibbles' words, then the high ones'). */
+static inline int64_t i4w_index(int64_t e) {
+    int64_t r = e % I4W_BLOCK;
+    return e - r + (r & 1) * (I4W_BLOCK / 2) + r / 2;
+}
+
+/* One row of x (float32, k elements) -> xq [k] int16 in i4w_index's order and x2 [2 * k / G]
+ * the pairs (sx, X) of each group: xq's unit and the group's sum of x (in float32, so the
+ * offsets m meet x itself). A nan in x gives a nan X, so the row's sums are nan. */
+static inline void i4w_prepare(const float *x, int64_t k, int gshift, int16_t *xq, float *x2) {
+    const int64_t g = (int64_t)1 << gshift;
+    for (int64_t g0 = 0; g0 < k; g0 += g) {
+        float amax = 0.f, sum = 0.f;
+        for (int64_t e = g0; e < g0 + g; e++) {
+            amax = fmaxf(amax, fabsf(x[e]));
+            sum += x[e];
+        }
+        const float inv = amax > 0.f && amax <= 3.4e38f ? I4W_ONE / amax : 0.f;
+        for (int64_t e = g0; e < g0 + g; e++)
+            xq[i4w_index(e)] = (int16_t)lrintf(fminf(fmaxf(x[e] * inv, -I4W_ONE), I4W_ONE));
+        x2[2 * (g0 >> gshift)] = amax / I4W_ONE;
+        x2[2 * (g0 >> gshift) + 1] = inv > 0.f || amax == 0.f ? sum : NAN;
+    }
+}
+
+#if FT_I4W
+/* Group gi (columns j0 .. j0 + 2^gshift) of NR int4 rows against NT tokens in i4w's form,
+ * added into acc (s sx sum q xq) and cor (m X). */
+static inline __attribute__((always_inline)) void
+i4w_group(const void *const *w, const void *const *gs, const int gshift, const int16_t *const *xq,
+          const float *const *x2, const int64_t j0, const int NR, const int NT, const int FMT,
+          __m256 (*acc)[MAXT], float (*cor)[MAXT]) {
+    const __m256i low = _mm256_set1_epi16(15);
+    const int64_t gi = j0 >> gshift;
+    __m256i isum[MAXR][MAXT];
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            isum[r][t] = _mm256_setzero_si256();
+    for (int64_t j = j0; j < j0 + ((int64_t)1 << gshift); j += I4W_BLOCK) {
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *p = (const uint8_t *)w[r] + j / 2;
+            __builtin_prefetch(p + PF_BYTES, 0, 1);
+            __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_srli_epi16(v, 4);
+            #pragma GCC unroll 4
+            for (int t = 0; t < NT; t++)
+                isum[r][t] = _mm256_add_epi32(
+                    isum[r][t],
+                    _mm256_add_epi32(
+                        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq[t] + j))),
+                        _mm256_madd_epi16(hi, _mm256_loadu_si256(
+                                                  (const __m256i *)(xq[t] + j + I4W_BLOCK / 2)))));
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        float s, m;
+        int4_sm(gs[r], gi, FMT, &s, &m);
+        const __m256 sv = _mm256_set1_ps(s);
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][t]),
+                                     _mm256_broadcast_ss(x2[t] + 2 * gi));
+            acc[r][t] = _mm256_fmadd_ps(f, sv, acc[r][t]);
+            cor[r][t] += m * x2[t][2 * gi + 1];
+        }
+    }
+}
+
+/* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows in FMT (gs[r]: their scales) and NT
+ * tokens in i4w's form (xq[t], x2[t]), groups of 2^gshift >= I4W_BLOCK. Below 4 rows by
+ * tokens, two groups an iteration on two float chains: a g32 group is ~8 ops, under the
+ * FMA's latency. */
+static inline __attribute__((always_inline)) void
+i4w_tile(const void *const *w, const void *const *gs, const int gshift, const int16_t *const *xq,
+         const float *const *x2, const int64_t k, const int NR, const int NT, const int FMT,
+         float *res) {
+    const int64_t g = (int64_t)1 << gshift;
+    const int C = NR * NT >= 4 ? 1 : 2;           /* groups an iteration, float chains */
+    __m256 acc[2][MAXR][MAXT];
+    float cor[2][MAXR][MAXT];
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            acc[0][r][t] = acc[1][r][t] = _mm256_setzero_ps();
+            cor[0][r][t] = cor[1][r][t] = 0.f;
+        }
+    int64_t j0 = 0;
+    if (C == 2)
+        for (; j0 + 2 * g <= k; j0 += 2 * g) {
+            i4w_group(w, gs, gshift, xq, x2, j0, NR, NT, FMT, acc[0], cor[0]);
+            i4w_group(w, gs, gshift, xq, x2, j0 + g, NR, NT, FMT, acc[1], cor[1]);
+        }
+    for (; j0 < k; j0 += g)
+        i4w_group(w, gs, gshift, xq, x2, j0, NR, NT, FMT, acc[0], cor[0]);
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            vf sum;
+            __m256 a = C == 2 ? _mm256_add_ps(acc[0][r][t], acc[1][r][t]) : acc[0][r][t];
+            memcpy(&sum, &a, sizeof sum);
+            res[r * MAXT + t] = hsum(sum) + (cor[0][r][t] + cor[1][r][t]);
+        }
+}
+#endif
+
+/* int4 rows against x in a prepared form (i4b's bf16 pairs with AVX512-BF16, else i4w's
+ * int16 with AVX2), where i4x_takes: K whole blocks, groups of 2^gshift, x in xfmt. */
+static inline int i4x_takes(int64_t k, int gshift, int xfmt) {
+    if (FT_I4B)
+        return xfmt == 0 && k % I4B_BLOCK == 0;
+    return FT_I4W && xfmt != 2 && (1 << gshift) >= I4W_BLOCK && k % I4W_BLOCK == 0;
+}
+
+/* One row of x (float32) in the prepared form: xb [k] 16-bit words, x2 [2 * k / G] floats. */
+static inline void i4x_prepare(const float *x, int64_t k, int gshift, int fmt, uint16_t *xb,
+                               float *x2) {
+    if (FT_I4B)
+        i4b_prepare(x, k, gshift, fmt, xb, x2);
+    else
+        i4w_prepare(x, k, gshift, (int16_t *)xb, x2);
+}
+
+/* The prepared tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time (dots'
+ * shapes). */
+static inline void i4x_dots(const void *const *w, const void *const *gs, int gshift,
                             const uint16_t *const *xb, const float *const *x2, int64_t k, int nr,
                             int nt, int fmt, float *res) {
 #if FT_I4B
+#define TILE(R, T, F) i4b_tile(w, gs, gshift, xb, x2, k, R, T, F, res)
+#elif FT_I4W
+    /* (the common group sizes at compile time: a group's blocks unrolled, no loop) */
+    /* and one row at a time: the products, two vpmaddwd and two adds a token, are the cost
+     * wherever tokens share a row's nibbles, and 4 rows' int32 and float32 sums outgrow
+     * AVX2's 16 registers */
+#define TILE(R, T, F)                                                                       \
+    for (int r = 0; r < R; r++) do {                                                        \
+        const int16_t *const *xq = (const int16_t *const *)xb;                              \
+        const void *const *wr = w + r, *const *gr = gs + r;                                 \
+        float *out = res + r * MAXT;                                                        \
+        if (gshift == 5) i4w_tile(wr, gr, 5, xq, x2, k, 1, T, F, out);                     \
+        else if (gshift == 7) i4w_tile(wr, gr, 7, xq, x2, k, 1, T, F, out);                \
+        else i4w_tile(wr, gr, gshift, xq, x2, k, 1, T, F, out);                             \
+    } while (0)
+#endif
+#if FT_I4B || FT_I4W
 #define CASE(R, T)                                                                  \
     if (nr == R && nt == T) {                                                       \
-        if (fmt == FT_INT4) i4b_tile(w, gs, gshift, xb, x2, k, R, T, FT_INT4, res);   \
-        else i4b_tile(w, gs, gshift, xb, x2, k, R, T, FT_INT4S, res);               \
+        if (fmt == FT_INT4) TILE(R, T, FT_INT4);                                    \
+        else TILE(R, T, FT_INT4S);                                                  \
         return;                                                                     \
     }
     CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
     CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
 #undef CASE
+#undef TILE
 #else
     (void)w, (void)gs, (void)gshift, (void)xb, (void)x2, (void)k, (void)nr, (void)nt, (void)fmt,
         (void)res;
@@ -595,7 +760,7 @@ static inline void permute_row(const float *src, float *dst, int64_t k) {
 /* Within a parallel region, shared among its threads: x [T, K] in xfmt widened to float32
  * (wide), and for bf16 and int4 weights each row in their paired order into xp (xp == wide
  * for the others), or, given xb, in i4b's form instead (xb [T, K], x2 [T, 2K / 2^gshift]:
- * i4b_prepare's). Ends with the worksharing loop's barrier. */
+ * i4x_prepare's). Ends with the worksharing loop's barrier. */
 static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t k, int wfmt,
                               float *wide, float *xp, int gshift, uint16_t *xb, float *x2) {
 #pragma omp for schedule(static)
@@ -603,7 +768,7 @@ static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t 
         for (int64_t j = 0; j < k; j++)
             wide[t * k + j] = load_as(x, t * k + j, xfmt);
         if (xb)
-            i4b_prepare(wide + t * k, k, gshift, wfmt, xb + t * k, x2 + t * 2 * (k >> gshift));
+            i4x_prepare(wide + t * k, k, gshift, wfmt, xb + t * k, x2 + t * 2 * (k >> gshift));
         else if (paired_fmt(wfmt))
             permute_row(wide + t * k, xp + t * k, k);
     }

@@ -25,14 +25,14 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
     if (is_int4(wfmt) && (bk < 2 * VW || (bk & (bk - 1)) || k % bk))
         return -3;
     /* x widened to float32 (wide), then each row in the weight format's order (paired_index);
-     * int4 against bf16 x: in the pair products' form instead (cpu_dot.h's i4b: xb, x2). */
-    const int i4b = is_int4(wfmt) && i4b_takes(k, xfmt);
-    const int64_t tc = t_count ? t_count : 1, gx = i4b ? 2 * (k >> gshift) : 0;
+     * int4 in a prepared form where the CPU has one instead (cpu_dot.h.s i4x: xb, x2). */
+    const int i4x = is_int4(wfmt) && i4x_takes(k, gshift, xfmt);
+    const int64_t tc = t_count ? t_count : 1, gx = i4x ? 2 * (k >> gshift) : 0;
     float *wide = malloc(2 * tc * k * sizeof *wide + tc * gx * sizeof *wide
-                         + (i4b ? tc * k * sizeof(uint16_t) : 0));
+                         + (i4x ? tc * k * sizeof(uint16_t) : 0));
     if (!wide)
         return -1;
-    float *xp = paired_fmt(wfmt) && !i4b ? wide + t_count * k : wide;
+    float *xp = paired_fmt(wfmt) && !i4x ? wide + t_count * k : wide;
     float *x2 = wide + 2 * tc * k;
     uint16_t *xb = (uint16_t *)(x2 + tc * gx);
     const int64_t rows = item_rows(n, threads);
@@ -49,7 +49,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
-        widen_rows(x, xfmt, t_count, k, wfmt, wide, xp, gshift, i4b ? xb : NULL, x2);
+        widen_rows(x, xfmt, t_count, k, wfmt, wide, xp, gshift, i4x ? xb : NULL, x2);
         /* item = `rows` weight rows, for every token: one sequential stream (one row at a
          * time) below MAXT tokens, MAXR rows sharing each x load from there. */
         for (;;) {
@@ -85,8 +85,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                                               : NULL;
                     }
                     float res[MAXR * MAXT];
-                    if (i4b)
-                        i4b_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, wfmt, res);
+                    if (i4x)
+                        i4x_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, wfmt, res);
                     else
                         dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, res);
                     for (int q = 0; q < nr; q++)
@@ -103,3 +103,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
     free(wide);
     return failed && failed == team ? -1 : 0;
 }
+
+/* How the int4 products meet 16-bit activations on this build (cpu_dot.h's i4x): 0 widened
+ * to float32 as they are, 1 AVX512-BF16's pair products on them as they are, 2 rounded to
+ * int16 per group for AVX2's (i4w). */
+int ft_int4_activations(void) { return FT_I4B ? 1 : FT_I4W ? 2 : 0; }

@@ -55,9 +55,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     const int gshift = is_int4(fmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
     if (is_int4(fmt) && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
         return -3;
-    /* int4 against bf16 x: the pair products (cpu_dot.h's i4b), the activations rounded to
-     * bf16 as a bf16 model's are */
-    const int i4b = is_int4(fmt) && i4b_takes(d, xfmt) && i4b_takes(width, 0);
+    /* int4 in a prepared form where the CPU has one (cpu_dot.h's i4x: AVX512-BF16's pair
+     * products, the activations rounded to bf16 as a bf16 model's are; or AVX2's int16 ones) */
+    const int i4x = is_int4(fmt) && i4x_takes(d, gshift, xfmt) && i4x_takes(width, gshift, 0);
     const int64_t pairs = t_count * k_count;
     /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
     int64_t *start = calloc(slots + 1, sizeof *start);
@@ -99,12 +99,12 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         free(fill);
     }
     /* x widened to float32 (wide), in the weight format's order (xp: paired for bf16);
-     * i4b: x and the activations in its form (xb and x2, actb and a2) instead. */
-    const int64_t gx = i4b ? 2 * (d >> gshift) : 0, ga = i4b ? 2 * (width >> gshift) : 0;
+     * i4x: x and the activations in its form (xb and x2, actb and a2) instead. */
+    const int64_t gx = i4x ? 2 * (d >> gshift) : 0, ga = i4x ? 2 * (width >> gshift) : 0;
     const int64_t tc = t_count ? t_count : 1, pc = pairs ? pairs : 1;
-    float *wide = malloc(2 * tc * d * sizeof *wide + (i4b ? tc * gx + pc * ga : 0) * sizeof *wide
-                         + (i4b ? (tc * d + pc * width) * sizeof(uint16_t) : 0));
-    float *xp = paired_fmt(fmt) && !i4b ? wide + t_count * d : wide;
+    float *wide = malloc(2 * tc * d * sizeof *wide + (i4x ? tc * gx + pc * ga : 0) * sizeof *wide
+                         + (i4x ? (tc * d + pc * width) * sizeof(uint16_t) : 0));
+    float *xp = paired_fmt(fmt) && !i4x ? wide + t_count * d : wide;
     float *x2 = wide + 2 * tc * d, *a2 = x2 + tc * gx;
     uint16_t *xb = (uint16_t *)(a2 + pc * ga), *actb = xb + tc * d;
     if (!wide) {
@@ -138,7 +138,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
-        widen_rows(x, xfmt, t_count, d, fmt, wide, xp, gshift, i4b ? xb : NULL, x2);
+        widen_rows(x, xfmt, t_count, d, fmt, wide, xp, gshift, i4x ? xb : NULL, x2);
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
             int64_t item = idle ? n_used * i_blocks : __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
@@ -180,8 +180,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gs[r] = is_int4(fmt) ? int4_row_scales(s13, s * 2 * width + row + r,
                                                                    cb13, fmt) : NULL;
                         }
-                        if (i4b)
-                            i4b_dots(w, gs, gshift, xsb, xs2, d, nr, nt, fmt, res[i - i0]);
+                        if (i4x)
+                            i4x_dots(w, gs, gshift, xsb, xs2, d, nr, nt, fmt, res[i - i0]);
                         else
                             dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, res[i - i0]);
                         i += nr;
@@ -194,16 +194,16 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gi += b13[s * 2 * width + i];
                             ui += b13[s * 2 * width + width + i];
                         }
-                        act[mine[t0 + t] * width + (i4b ? i : paired_index(i, width, fmt))] =
+                        act[mine[t0 + t] * width + (i4x ? i : paired_index(i, width, fmt))] =
                             activate(gi, ui, kind, alpha, limit);
                     }
             }
         }
 #pragma omp barrier
-        if (i4b) {
+        if (i4x) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < pairs; p++)
-                i4b_prepare(act + p * width, width, gshift, fmt, actb + p * width, a2 + p * ga);
+                i4x_prepare(act + p * width, width, gshift, fmt, actb + p * width, a2 + p * ga);
         }
         /* Down: item = down_rows output rows of every token, summed over its experts by slot. */
         for (;;) {
@@ -241,8 +241,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                                                  : NULL;
                         }
                         float res[MAXR * MAXT];
-                        if (i4b)
-                            i4b_dots(w, gs, gshift, hsb, hs2, width, nr, nt, fmt, res);
+                        if (i4x)
+                            i4x_dots(w, gs, gshift, hsb, hs2, width, nr, nt, fmt, res);
                         else
                             dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, res);
                         for (int q = 0; q < nr; q++)

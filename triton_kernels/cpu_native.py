@@ -105,6 +105,12 @@ class NativeKernels:
         fn.argtypes = [p, c_int, i64, p, c_int, p, i64, i64, p, i64, i64, p, c_int, c_int]
         fn.restype = c_int
         self._linear = fn
+        fn = lib.ft_int4_activations
+        fn.argtypes = []
+        fn.restype = c_int
+        # how int4 rows meet 16-bit activations: "float32" as they are, "bf16" pairs as they
+        # are (AVX512-BF16), or "int16" (AVX2: rounded per group, cpu_dot.h's i4w)
+        self.int4_activations = ("float32", "bf16", "int16")[fn()]
         fn = lib.ft_attn_decode_tiles
         fn.argtypes = [c_int, c_int, i64, i64]
         fn.restype = c_int
