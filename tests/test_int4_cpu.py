@@ -134,8 +134,8 @@ def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx, symmetric)
     bias = torch.randn(n).bfloat16()
     rows = QuantRows(w["q"], tk.int4_scales(w["s"], w.get("z")), (1, 32))
     assert (rows.s.dtype == torch.bfloat16) == symmetric
-    lin = tk.Int4Linear(fmt, w, bias, prefill=rows, amx=amx)
-    assert (lin.prefill is not None) == amx
+    lin = tk.Int4Linear(fmt, w, bias, rows=rows, amx=amx, gemv=False)
+    assert lin.prefill == amx and lin.gemv is None
     own = 0 if rows.s.dtype == torch.bfloat16 else rows.s.numel() * 4
     assert lin.nbytes == lin.packed.nbytes + (own if amx else 0)
     decoded = dequantize_reference(fmt, w, torch.float32).bfloat16()
@@ -147,8 +147,8 @@ def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx, symmetric)
             assert torch.equal(got, torch.nn.functional.linear(x, decoded) + bias)
         else:
             assert torch.equal(got, lin.packed.linear(x) + bias)
-    with pytest.raises(ValueError, match="prefill rows"):
-        tk.Int4Linear(fmt, w, prefill=QuantRows(w["q"][:8], rows.s[:8], (1, 32)), amx=True)
+    with pytest.raises(ValueError, match="rows"):
+        tk.Int4Linear(fmt, w, rows=QuantRows(w["q"][:8], rows.s[:8], (1, 32)), amx=True)
 
 
 @pytest.mark.skipif(tk.native_kernels() is None, reason="no native kernels: no int4 rows")
@@ -217,10 +217,14 @@ def test_bf16_cpu_engine_runs_int4_packed(int4_model, monkeypatch):
         assert alone and all(isinstance(m.packed, tk.Int4Linear) for m in alone), name
         assert attns and all(isinstance(a.qkv_packed, tk.Int4Linear) for a in attns), name
         assert mlps and all(isinstance(m.gate_up, tk.Int4Linear) for m in mlps), name
-        # on an AMX CPU (with the native kernels) their prefill rows decode the nibbles
-        amx_rows = tk.has_amx_bf16() and tk.native_kernels() is not None
-        assert all((p.prefill is not None) == amx_rows
-                   for p in [m.packed for m in alone] + [a.qkv_packed for a in attns]), name
+        # on an AMX CPU (with the native kernels) their prefill rows decode the nibbles;
+        # where the native int4 GEMV takes bf16 x as int16 (AVX2), it takes decode rows
+        kernel = tk.native_kernels()
+        amx_rows = tk.has_amx_bf16() and kernel is not None
+        gemv_rows = kernel is not None and kernel.int4_activations == "int16"
+        packs = [m.packed for m in alone] + [a.qkv_packed for a in attns]
+        assert all(p.prefill == amx_rows and (p.gemv is not None) == gemv_rows
+                   for p in packs), name
         assert all(a.cpu_decode is not None for a in attns) == (tk.native_kernels() is not None)
         if name == "resident" and tk.native_kernels() is not None:   # and its decode steps take it
             calls = []

@@ -26,9 +26,9 @@ modules run every step):
   experts in native banks (bf16, fp8 or int4) computed by the CPU; shared experts (a
   DenseMLP: gate/up product, native SwiGLU, down) added natively, gated or not;
 - DenseMLP (dense layers) the same way;
-- projections on the native GEMV (CpuLinear), or torch's int4 GEMM (Int4Linear) or FBGEMM's
-  (a decoded weight without a GEMV form), which run as Python steps between the runs of
-  native ops.
+- projections on the native GEMV (CpuLinear; Int4Linear's where it has one), or torch's
+  int4 GEMM (Int4Linear) or FBGEMM's (a decoded weight without a GEMV form), which run as
+  Python steps between the runs of native ops.
 Families that fit: all of the registry's.
 `enforce_eager` (vLLM's name) turns it off.
 
@@ -138,12 +138,13 @@ class CpuDecodeGraph:
     def _linear(self, proj, x: torch.Tensor, out: torch.Tensor, what: str) -> None:
         """x [R, K] -> out [R, N] through a projection's CPU product for decode rows."""
         packed = proj.packed if isinstance(proj, (Linear, QuantLinear)) else proj
-        if isinstance(packed, tk.CpuLinear) and packed.gemv is not None:
+        if isinstance(packed, (tk.CpuLinear, tk.Int4Linear)) and packed.gemv is not None:
             self.program.add(packed.gemv.op(x, out), what)
         elif isinstance(packed, (tk.Int4Linear, tk.CpuLinear)):
-            # torch's int4 GEMM (no native kernel beats it at one row), or a decoded weight
-            # only FBGEMM holds (no AMX: a fused q/k/v whose fp8 blocks straddle two
-            # projections, fp8 with channel scales, fp4): a Python step, as the modules run it
+            # torch's int4 GEMM (where the native GEMV does not beat it at one row: AVX-512),
+            # or a decoded weight only FBGEMM holds (no AMX: a fused q/k/v whose fp8 blocks
+            # straddle two projections, fp8 with channel scales, fp4): a Python step, as the
+            # modules run it
             self.program.python(lambda t: out[:t].copy_(packed(x[:t])), what)
         else:
             raise NotCovered(f"{what} has no packed CPU product")

@@ -378,8 +378,8 @@ def _cpu_weights(model: torch.nn.Module) -> list[torch.Tensor]:
                         if isinstance(t, torch.Tensor)]
             elif isinstance(v, tk.Int4Linear):
                 out += [v.packed.q, v.packed.sz]
-                if v.prefill is not None:
-                    out += [v.prefill.q, v.prefill.s]
+                if v.rows is not None:
+                    out += [v.rows.q, v.rows.s]
             elif isinstance(v, dict):
                 for b in v.values():
                     if isinstance(b, tk.NativeBank):

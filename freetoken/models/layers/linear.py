@@ -96,7 +96,7 @@ def pack_fused(projs) -> tk.CpuLinear | tk.Int4Linear | None:
             return None
         w = {name: torch.cat([p.weight_dict()[name] for p in projs]) for name in projs[0].names}
         return tk.Int4Linear(projs[0].fmt, w, None if bias is None else bias.to(projs[0].dtype),
-                             prefill=_fused_rows(projs) if tk.has_amx_bf16() else None)
+                             rows=_fused_rows(projs))
     dense = [p.cpu_dense() for p in projs]
     if any(d is None for d in dense):
         return None
@@ -142,10 +142,11 @@ class QuantLinear(nn.Module):
         """A quantized weight on the CPU, in 16 bits: keep a copy the CPU multiplies fast (the
         checkpoint's tensors stay for dequantized()).
         - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py,
-          Int4Linear), as many bytes; on an AMX CPU a prefill chunk's rows decode the
-          checkpoint's nibbles to bf16 for AMX's product instead (cpu_rows: a symmetric
+          Int4Linear), as many bytes; the checkpoint's nibbles (cpu_rows: a symmetric
           weight's bf16 scales as they are, else float32 group pairs, a quarter of a byte a
-          weight at G 32, beside them).
+          weight at G 32, beside them) serve decode rows on the native GEMV where it is the
+          faster (AVX2), and on an AMX CPU a prefill chunk's rows, decoded to bf16 for AMX's
+          product.
         - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
           GEMM for: decoded once into a 2-byte copy for the CPU's products (cpu_linear: bf16
           for the native GEMV and AMX's GEMM in a bf16 model on an AMX CPU, else fp16 for the
@@ -159,9 +160,8 @@ class QuantLinear(nn.Module):
         copy's bytes."""
         w = self.weight_dict()
         if self.int4_gemm():
-            # (the prefill rows only where AMX's product will read them)
-            self.packed = tk.Int4Linear(self.fmt, w, self.bias,
-                                        prefill=self.cpu_rows() if tk.has_amx_bf16() else None)
+            # (the rows kept only where AMX's product or the native GEMV reads them)
+            self.packed = tk.Int4Linear(self.fmt, w, self.bias, rows=self.cpu_rows())
             return self.packed.nbytes
         if (dense := self.cpu_dense()) is None:
             return 0
