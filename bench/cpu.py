@@ -6,6 +6,7 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py --llama-bench /path/llama-bench   # + llama.cpp on a GGUF of them
     python bench/cpu.py --quick                           # a small shape, seconds
     python bench/cpu.py --quant fp8,nvfp4,int4 --llama-quant q8_0   # + quantized arms
+    python bench/cpu.py --quant int4 --llama-quant q4_0,q4_0+head  # q4_0, and with a bf16 head
     python bench/cpu.py --unpacked                        # + FreeToken without CPU packing
     python bench/cpu.py --eager                           # + FreeToken without its decode program
     python bench/cpu.py --depth 16384                     # + batch 1 after a 16k-token prompt
@@ -194,14 +195,17 @@ def gguf_of(model_dir: Path, convert: Path, outtype: str, out: Path) -> Path:
 CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0", "tq1_0", "tq2_0")   # its --outtype choices
 
 
-def requantize(bench: Path, gguf: Path, qtype: str, out: Path, threads: int) -> Path:
+def requantize(bench: Path, gguf: Path, qtype: str, out: Path, threads: int,
+               head: str | None = None) -> Path:
     """llama-quantize (beside llama-bench) of a GGUF to `qtype`: the types the converter
-    cannot write (q4_0 against INT4)."""
+    cannot write (q4_0 against INT4); head: the output layer's type (default: the tool's
+    choice, q6_K beside q4_0)."""
     tool = bench.parent / "llama-quantize"
     if not tool.exists():
         raise SystemExit(f"--llama-quant {qtype} needs {tool} (cmake --build build --target "
                          f"llama-quantize)")
-    subprocess.run([str(tool), str(gguf), str(out), qtype, str(threads)], check=True,
+    keep = ["--output-tensor-type", head] if head else []
+    subprocess.run([str(tool), *keep, str(gguf), str(out), qtype, str(threads)], check=True,
                    capture_output=True)
     return out
 
@@ -292,7 +296,9 @@ def main(argv=None) -> int:
                    "a FreeToken arm each (qwen3_moe: fp8, fp8-channel, nvfp4, int4, int4-awq)")
     p.add_argument("--llama-quant", default="", help="comma-separated GGUF types for llama.cpp "
                    "arms beside --dtype's (the converter's --outtype: q8_0; others, q4_0, "
-                   "through llama-quantize beside llama-bench)")
+                   "through llama-quantize beside llama-bench); TYPE+head keeps the output "
+                   "layer in --dtype, as FreeToken's quantized checkpoints keep lm_head "
+                   "(llama-quantize's default makes it q6_K)")
     p.add_argument("--unpacked", action="store_true", help="add FreeToken arms without the "
                    "CPU packing (fp16 projections, INT4 GEMM): one beside each packed arm")
     p.add_argument("--eager", action="store_true", help="add FreeToken arms with enforce_eager "
@@ -373,12 +379,14 @@ def main(argv=None) -> int:
             for outtype in [base] + [t for t in args.llama_quant.split(",") if t]:
                 name = "llama.cpp" if outtype == base else f"llama.cpp-{outtype}"
                 out = Path(tmp) / f"model-{outtype}.gguf"
+                qtype, head = (outtype[:-len("+head")], base) if outtype.endswith("+head") \
+                    else (outtype, None)
                 try:
                     if outtype in CONVERTER_TYPES:
                         ggufs[outtype] = gguf_of(model_dir, convert, outtype, out)
                     elif base in ggufs:        # q4_0, q4_k_m, ...: llama-quantize of base's
-                        ggufs[outtype] = requantize(args.llama_bench, ggufs[base], outtype,
-                                                    out, args.threads)
+                        ggufs[outtype] = requantize(args.llama_bench, ggufs[base], qtype,
+                                                    out, args.threads, head)
                     else:
                         continue
                 except subprocess.CalledProcessError as exc:   # (its converter may not take
@@ -422,8 +430,9 @@ def main(argv=None) -> int:
     # The bf16 engine against every arm, then each quantized arm against llama.cpp's nearest
     # type (FP8 against q8_0, 4-bit against q4_0: #21's pairs).
     pairs = [("freetoken", other) for other in res if other != "freetoken"]
-    pairs += [(f"freetoken-{q}", f"llama.cpp-{NEAREST_GGUF[q]}") for q in quants
-              if q in NEAREST_GGUF and f"freetoken-{q}" in res and f"llama.cpp-{NEAREST_GGUF[q]}" in res]
+    pairs += [(f"freetoken-{q}", f"llama.cpp-{NEAREST_GGUF[q]}{head}") for q in quants
+              for head in ("", "+head") if q in NEAREST_GGUF and f"freetoken-{q}" in res
+              and f"llama.cpp-{NEAREST_GGUF[q]}{head}" in res]
     pairs += [(f"freetoken-{q}", f"freetoken-{q}-eager") for q in quants
               if f"freetoken-{q}-eager" in res]
     labels = [f"ft/{other}" if mine == "freetoken" else f"{mine}/{other}" for mine, other in pairs]

@@ -563,12 +563,15 @@ i4b_tile(const void *const *w, const void *const *gs, const int gshift, const ui
  * xq = round(x / sx)), and a block of 32 weights is one zero-extend of its 16 bytes to 16
  * words (byte i: element 2i in the low nibble, 2i + 1 the high), a mask and a shift, and per
  * token two vpmaddwd and two adds, summed exactly in int32 over the group (|sum| <= 15 *
- * 32767 * 256 < 2^31 for groups up to 256); then per group
- *     sum_j W_j x_j = s sx sum_j q_j xq_j + m X,   (W = q s + m, X the group's sum of x):
- * one convert, a multiply and an FMA a group. x's rounding is the only change from the
- * float32 path, so it is taken for 16-bit x only (a float32 model keeps that path's sums):
- * |x - sx xq| <= max |x| / 65534 of its group, a 256th of a bf16 ulp of the group's largest
- * element (llama.cpp's q8 activations round to max |x| / 254 per 32). */
+ * 32767 * 256 < 2^31 for groups up to 256); then per group, with W = q s + m and X the
+ * group's sum of x,
+ *     sum_j W_j x_j = s (sx sum_j q_j xq_j) + m X
+ * in vector lanes: s (sx u + c) with c = -X in each of the 8 lanes where m = -8 s
+ * (FT_INT4S), else s (sx u) + m (X / 8) (u: the int32 lanes converted): two or three FMAs a
+ * group, its scales broadcast from memory, no scalar chain. x's rounding is the only change
+ * from the float32 path, so it is taken for 16-bit x only (a float32 model keeps that
+ * path's sums): |x - sx xq| <= max |x| / 65534 of its group, a 256th of a bf16 ulp of the
+ * group's largest element (llama.cpp's q8 activations round to max |x| / 254 per 32). */
 #if VW == 8 && defined(__AVX2__) && defined(__FMA__)
 #define FT_I4W 1
 #else
@@ -584,32 +587,55 @@ static inline int64_t i4w_index(int64_t e) {
     return e - r + (r & 1) * (I4W_BLOCK / 2) + r / 2;
 }
 
+#if FT_I4W
 /* One row of x (float32, k elements) -> xq [k] int16 in i4w_index's order and x2 [2 * k / G]
- * the pairs (sx, X) of each group: xq's unit and the group's sum of x (in float32, so the
- * offsets m meet x itself). A nan in x gives a nan X, so the row's sums are nan. */
-static inline void i4w_prepare(const float *x, int64_t k, int gshift, int16_t *xq, float *x2) {
+ * per group (sx, c): xq's unit and the offset's lanes, -X for FT_INT4S's m = -8 s, else
+ * X / 8 (X in float32 from x itself, so the offsets meet x unrounded). A nan or inf in x
+ * gives a nan c, so the row's sums are nan. */
+static inline void i4w_prepare(const float *x, int64_t k, int gshift, int fmt, int16_t *xq,
+                               float *x2) {
     const int64_t g = (int64_t)1 << gshift;
+    const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(I4W_ONE);
     for (int64_t g0 = 0; g0 < k; g0 += g) {
-        float amax = 0.f, sum = 0.f;
-        for (int64_t e = g0; e < g0 + g; e++) {
-            amax = fmaxf(amax, fabsf(x[e]));
-            sum += x[e];
+        __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+        for (int64_t e = g0; e < g0 + g; e += 8) {
+            const __m256 v = _mm256_loadu_ps(x + e);
+            vmax = _mm256_max_ps(_mm256_andnot_ps(sign, v), vmax);   /* (a nan: ignored) */
+            vsum = _mm256_add_ps(vsum, v);
         }
+        float lanes[8], amax = 0.f, sum;
+        _mm256_storeu_ps(lanes, vmax);
+        for (int l = 0; l < 8; l++)
+            amax = lanes[l] > amax ? lanes[l] : amax;
+        vf vs;
+        memcpy(&vs, &vsum, sizeof vs);
+        sum = hsum(vs);
         const float inv = amax > 0.f && amax <= 3.4e38f ? I4W_ONE / amax : 0.f;
-        for (int64_t e = g0; e < g0 + g; e++)
-            xq[i4w_index(e)] = (int16_t)lrintf(fminf(fmaxf(x[e] * inv, -I4W_ONE), I4W_ONE));
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (int64_t b = g0; b < g0 + g; b += I4W_BLOCK) {
+            int32_t q[I4W_BLOCK];
+            for (int v = 0; v < I4W_BLOCK / 8; v++) {
+                __m256 f = _mm256_mul_ps(_mm256_loadu_ps(x + b + 8 * v), vinv);
+                f = _mm256_min_ps(_mm256_max_ps(f, _mm256_xor_ps(top, sign)), top);
+                _mm256_storeu_si256((__m256i *)(q + 8 * v), _mm256_cvtps_epi32(f)); /* nearest even */
+            }
+            for (int i = 0; i < I4W_BLOCK / 2; i++) {
+                xq[b + i] = (int16_t)q[2 * i];
+                xq[b + I4W_BLOCK / 2 + i] = (int16_t)q[2 * i + 1];
+            }
+        }
+        const float c = fmt == FT_INT4S ? -sum : sum / 8.f;      /* summed over 8 lanes */
         x2[2 * (g0 >> gshift)] = amax / I4W_ONE;
-        x2[2 * (g0 >> gshift) + 1] = inv > 0.f || amax == 0.f ? sum : NAN;
+        x2[2 * (g0 >> gshift) + 1] = inv > 0.f || amax == 0.f ? c : NAN;
     }
 }
 
-#if FT_I4W
 /* Group gi (columns j0 .. j0 + 2^gshift) of NR int4 rows against NT tokens in i4w's form,
- * added into acc (s sx sum q xq) and cor (m X). */
+ * added into acc (and, SPLIT, FT_INT4's m X into cor: its own chain). */
 static inline __attribute__((always_inline)) void
 i4w_group(const void *const *w, const void *const *gs, const int gshift, const int16_t *const *xq,
           const float *const *x2, const int64_t j0, const int NR, const int NT, const int FMT,
-          __m256 (*acc)[MAXT], float (*cor)[MAXT]) {
+          const int SPLIT, __m256 (*acc)[MAXT], __m256 (*cor)[MAXT]) {
     const __m256i low = _mm256_set1_epi16(15);
     const int64_t gi = j0 >> gshift;
     __m256i isum[MAXR][MAXT];
@@ -637,54 +663,66 @@ i4w_group(const void *const *w, const void *const *gs, const int gshift, const i
     }
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
-        float s, m;
-        int4_sm(gs[r], gi, FMT, &s, &m);
-        const __m256 sv = _mm256_set1_ps(s);
+        __m256 sv, mv = _mm256_setzero_ps();
+        if (FMT == FT_INT4) {
+            sv = _mm256_broadcast_ss((const float *)gs[r] + 2 * gi);
+            mv = _mm256_broadcast_ss((const float *)gs[r] + 2 * gi + 1);
+        } else {                                   /* bf16: the high half of a float32 */
+            sv = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_set1_epi32(((const uint16_t *)gs[r])[gi]), 16));
+        }
         #pragma GCC unroll 4
         for (int t = 0; t < NT; t++) {
-            __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r][t]),
-                                     _mm256_broadcast_ss(x2[t] + 2 * gi));
-            acc[r][t] = _mm256_fmadd_ps(f, sv, acc[r][t]);
-            cor[r][t] += m * x2[t][2 * gi + 1];
+            const __m256 u = _mm256_cvtepi32_ps(isum[r][t]);
+            const __m256 sx = _mm256_broadcast_ss(x2[t] + 2 * gi);
+            const __m256 c = _mm256_broadcast_ss(x2[t] + 2 * gi + 1);
+            if (FMT == FT_INT4S) {
+                acc[r][t] = _mm256_fmadd_ps(_mm256_fmadd_ps(u, sx, c), sv, acc[r][t]);
+            } else {
+                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(u, sx), sv, acc[r][t]);
+                if (SPLIT)
+                    cor[r][t] = _mm256_fmadd_ps(c, mv, cor[r][t]);
+                else
+                    acc[r][t] = _mm256_fmadd_ps(c, mv, acc[r][t]);
+            }
         }
     }
 }
 
 /* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows in FMT (gs[r]: their scales) and NT
  * tokens in i4w's form (xq[t], x2[t]), groups of 2^gshift >= I4W_BLOCK. Below 4 rows by
- * tokens, two groups an iteration on two float chains: a g32 group is ~8 ops, under the
- * FMA's latency. */
+ * tokens, two groups an iteration on two float chains (and FT_INT4's offsets on two more): a
+ * g32 group is ~12 ops, under the FMAs' latency. */
 static inline __attribute__((always_inline)) void
 i4w_tile(const void *const *w, const void *const *gs, const int gshift, const int16_t *const *xq,
          const float *const *x2, const int64_t k, const int NR, const int NT, const int FMT,
          float *res) {
     const int64_t g = (int64_t)1 << gshift;
     const int C = NR * NT >= 4 ? 1 : 2;           /* groups an iteration, float chains */
-    __m256 acc[2][MAXR][MAXT];
-    float cor[2][MAXR][MAXT];
+    __m256 acc[2][MAXR][MAXT], cor[2][MAXR][MAXT];
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
         #pragma GCC unroll 4
-        for (int t = 0; t < NT; t++) {
-            acc[0][r][t] = acc[1][r][t] = _mm256_setzero_ps();
-            cor[0][r][t] = cor[1][r][t] = 0.f;
-        }
+        for (int t = 0; t < NT; t++)
+            acc[0][r][t] = acc[1][r][t] = cor[0][r][t] = cor[1][r][t] = _mm256_setzero_ps();
     int64_t j0 = 0;
     if (C == 2)
         for (; j0 + 2 * g <= k; j0 += 2 * g) {
-            i4w_group(w, gs, gshift, xq, x2, j0, NR, NT, FMT, acc[0], cor[0]);
-            i4w_group(w, gs, gshift, xq, x2, j0 + g, NR, NT, FMT, acc[1], cor[1]);
+            i4w_group(w, gs, gshift, xq, x2, j0, NR, NT, FMT, 1, acc[0], cor[0]);
+            i4w_group(w, gs, gshift, xq, x2, j0 + g, NR, NT, FMT, 1, acc[1], cor[1]);
         }
     for (; j0 < k; j0 += g)
-        i4w_group(w, gs, gshift, xq, x2, j0, NR, NT, FMT, acc[0], cor[0]);
+        i4w_group(w, gs, gshift, xq, x2, j0, NR, NT, FMT, C == 2, acc[0], cor[0]);
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
         #pragma GCC unroll 4
         for (int t = 0; t < NT; t++) {
             vf sum;
-            __m256 a = C == 2 ? _mm256_add_ps(acc[0][r][t], acc[1][r][t]) : acc[0][r][t];
+            __m256 a = C == 2 ? _mm256_add_ps(_mm256_add_ps(acc[0][r][t], acc[1][r][t]),
+                                              _mm256_add_ps(cor[0][r][t], cor[1][r][t]))
+                              : acc[0][r][t];
             memcpy(&sum, &a, sizeof sum);
-            res[r * MAXT + t] = hsum(sum) + (cor[0][r][t] + cor[1][r][t]);
+            res[r * MAXT + t] = hsum(sum);
         }
 }
 #endif
@@ -700,10 +738,11 @@ static inline int i4x_takes(int64_t k, int gshift, int xfmt) {
 /* One row of x (float32) in the prepared form: xb [k] 16-bit words, x2 [2 * k / G] floats. */
 static inline void i4x_prepare(const float *x, int64_t k, int gshift, int fmt, uint16_t *xb,
                                float *x2) {
-    if (FT_I4B)
-        i4b_prepare(x, k, gshift, fmt, xb, x2);
-    else
-        i4w_prepare(x, k, gshift, (int16_t *)xb, x2);
+#if FT_I4W
+    i4w_prepare(x, k, gshift, fmt, (int16_t *)xb, x2);
+#else
+    i4b_prepare(x, k, gshift, fmt, xb, x2);
+#endif
 }
 
 /* The prepared tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time (dots'
