@@ -151,6 +151,38 @@ def test_int4_linear_prefill_rows_take_the_decoded_weight_on_amx(amx, symmetric)
         tk.Int4Linear(fmt, w, rows=QuantRows(w["q"][:8], rows.s[:8], (1, 32)), amx=True)
 
 
+@pytest.mark.skipif(tk.native_kernels() is None, reason="no native kernels: no int4 GEMV")
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_linear_on_the_native_gemv_keeps_no_repacked_copy(symmetric):
+    # gemv (AVX2's default): every row count on the native GEMV from the checkpoint's nibbles,
+    # the bias added in float32 before the one rounding, no int4 GEMM copy (its bytes: only
+    # the pairs made for it); within bf16's rounding of float64 on the reference's decode,
+    # plus the int16 rounding of x where this build takes it
+    from triton_kernels.cpu_linear import QuantRows
+    from tiny_fixtures import int16_x_bound
+    torch.manual_seed(6)
+    fmt = QuantFormat("int4", group=32, symmetric=symmetric)
+    n, k = 40, 256                              # (N not the int4 GEMM's multiple of 16)
+    w = random_weight(fmt, (), n, k)
+    if symmetric:
+        w["s"] = w["s"].bfloat16()
+    bias = torch.randn(n).bfloat16()
+    rows = QuantRows(w["q"], tk.int4_scales(w["s"], w.get("z")), (1, 32))
+    lin = tk.Int4Linear(fmt, w, bias, rows=rows, amx=False, gemv=True)
+    assert lin.packed is None and lin.gemv is not None and not lin.prefill
+    assert lin.nbytes == (0 if symmetric else rows.s.nbytes)
+    deq = dequantize_reference(fmt, w, torch.float32).double()
+    kernel = tk.native_kernels()
+    for t in (1, 8, 40):
+        x = torch.randn(t, k).bfloat16()
+        got = lin(x.view(t, 1, k))
+        assert got.shape == (t, 1, n) and got.dtype == torch.bfloat16
+        want = x.double() @ deq.T + bias.double()
+        bound = (want.abs() * 2.0 ** -8 + (x.double().abs() @ deq.abs().T) * 2.0 ** -20
+                 + int16_x_bound(kernel, x, deq.abs(), 32))
+        assert ((got[:, 0].double() - want).abs() <= bound).all(), t
+
+
 @pytest.mark.skipif(tk.native_kernels() is None, reason="no native kernels: no int4 rows")
 def test_fused_projections_take_int4_rows_in_both_scale_forms():
     # Projections of one input whose int4 rows come in both scale forms (a symmetric one's

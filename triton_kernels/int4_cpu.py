@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from triton_kernels.cpu_linear import NATIVE_ROWS, QuantRows
+from triton_kernels.cpu_linear import QuantRows
 from triton_kernels.cpu_native import has_amx_bf16, native_kernels
 from triton_kernels.dequant import QuantFormat, weight_shape
 from triton_kernels.fused_moe import SILU, MoeActivation, moe_packed_banks
@@ -78,62 +78,63 @@ class Int4Packed:
 
 
 class Int4Linear:
-    """A projection [N, K] through the int4 GEMM: x [.., K] bf16 -> [.., N] bf16 (+ bias, in
-    x's dtype, as QuantLinear adds it), or, given the checkpoint's nibbles as the native
-    kernels read them (rows: cpu_linear.QuantRows, the nibbles and a symmetric weight's bf16
-    scales or float32 (scale, -zero * scale) pairs), through them where they are faster:
-    - gemv (default: where the native int4 products take bf16 x as int16, AVX2's): calls of
-      fewer than NATIVE_ROWS rows (decode) on the native GEMV (cpu_linear.c). On the 2-core
-      EPYC, g32, ms, torch's GEMM against it: [1536, 1024] 1 row 0.167 / 0.120, 7 rows
-      0.58 / 0.51; [32768, 1024] 1 row 2.4 / 1.1, 7 rows 8.8 / 5.4. (With AVX512-BF16 the
-      GEMM was the faster at one row: [1536, 1024] 0.048 ms against 0.075.)
-    - amx (default: whether this CPU has AMX-BF16): calls of PREFILL_ROWS rows and more (a
-      prefill chunk) decode the nibbles to bf16 (ft_int4_decode: the reference's values,
-      rounded once) and run AMX's bf16 product: at 512 rows of [1536, 1024] g32, 1.0 ms
-      against the int4 GEMM's 9.6.
-    The rows' own bytes (a fused copy, the pairs) count in nbytes where either reads them."""
+    """A projection [N, K] of INT4 weights on the CPU: x [.., K] bf16 -> [.., N] bf16 (+ bias).
+    Given the checkpoint's nibbles as the native kernels read them (rows:
+    cpu_linear.QuantRows, the nibbles and a symmetric weight's bf16 scales or float32 (scale,
+    -zero * scale) pairs):
+    - gemv (default: where the native int4 products take bf16 x as int16, AVX2's): every
+      call on the native GEMV (cpu_linear.c, the bias added in float32 before its one
+      rounding), and no repacked copy. On the 2-core EPYC, g32, ms, torch's int4 GEMM against
+      it: [1536, 1024] 1 row 0.167 / 0.120, 7 rows 0.58 / 0.51, 64 rows 4.4 / 2.8, 512 rows
+      30 / 20; [32768, 1024] 1 row 2.4 / 1.1. (With AVX512-BF16 the GEMM was the faster at
+      one row: [1536, 1024] 0.048 ms against 0.075.)
+    - otherwise torch's int4 GEMM on a repacked copy (Int4Packed, as many bytes again; the
+      bias added in x's dtype, as QuantLinear adds it), and with amx (default: whether this
+      CPU has AMX-BF16) calls of PREFILL_ROWS rows and more (a prefill chunk) decode the
+      nibbles to bf16 (ft_int4_decode: the reference's values, rounded once) for AMX's bf16
+      product: at 512 rows of [1536, 1024] g32, 1.0 ms against the int4 GEMM's 9.6.
+    The rows' own bytes (a fused copy, the pairs) count in nbytes where a product reads them."""
 
     def __init__(self, fmt: QuantFormat, w: dict, bias: torch.Tensor | None = None,
                  rows: QuantRows | None = None, amx: bool | None = None,
                  gemv: bool | None = None):
-        self.packed = Int4Packed(fmt, w)
-        if self.packed.experts is not None:
+        lead, n, k = weight_shape(fmt, w, "Int4Linear")
+        if lead:
             raise ValueError("Int4Linear: one weight [N, K], not a bank")
-        self.out_features, self.in_features = self.packed.n, self.packed.k
+        self.out_features, self.in_features = n, k
         self.bias = None if bias is None else bias.detach()
         kernel = native_kernels()
         amx = has_amx_bf16() if amx is None else amx
         gemv = (kernel is not None and kernel.int4_activations == "int16") if gemv is None else gemv
         self.rows = rows if (rows is not None and kernel is not None and (amx or gemv)) else None
-        self.prefill = self.rows is not None and amx
         self.gemv = None
         if self.rows is not None:
             q, gs, (bn, group) = self.rows.q, self.rows.s, self.rows.block
-            groups = (self.out_features, self.in_features // group)
-            if not (q.shape == (self.out_features, self.in_features // 2) and bn == 1
+            groups = (n, k // group)
+            if not (q.shape == (n, k // 2) and bn == 1
                     and (gs.shape == (*groups, 2) or (gs.shape == groups
                                                       and gs.dtype == torch.bfloat16))):
                 raise ValueError(f"Int4Linear: rows [N, K/2] with scales [N, K/G] bf16 "
-                                 f"or pairs [N, K/G, 2] for [{self.out_features}, "
-                                 f"{self.in_features}] expected, got {tuple(q.shape)}, "
-                                 f"{tuple(gs.shape)}")
+                                 f"or pairs [N, K/G, 2] for [{n}, {k}] expected, got "
+                                 f"{tuple(q.shape)}, {tuple(gs.shape)}")
             self.kernel = kernel
             if gemv:
                 bias32 = None if bias is None else self.bias.float().contiguous()
                 self.gemv = kernel.bind_linear(q, bias32, gs, self.rows.block)
+        self.packed = Int4Packed(fmt, w) if self.gemv is None else None
+        self.prefill = self.packed is not None and self.rows is not None and amx
         # its own bytes: a fused copy whole, else the pairs made for it (a symmetric
         # weight's bf16 scales are the checkpoint's)
         rows = self.rows
         extra = 0 if rows is None else (rows.nbytes if rows.own else 0 if
                                          rows.s.dtype == torch.bfloat16 else rows.s.nbytes)
-        self.nbytes = self.packed.nbytes + extra
+        self.nbytes = (self.packed.nbytes if self.packed is not None else 0) + extra
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        n = rows.shape[0]
-        if self.gemv is not None and n < NATIVE_ROWS:
+        if self.gemv is not None:
             return self.gemv(rows).reshape(*x.shape[:-1], self.out_features)
-        if self.prefill and n >= PREFILL_ROWS and rows.dtype == torch.bfloat16:
+        if self.prefill and rows.shape[0] >= PREFILL_ROWS and rows.dtype == torch.bfloat16:
             y = F.linear(rows, self.decoded())
         else:
             y = self.packed.linear(rows)

@@ -377,7 +377,8 @@ def _cpu_weights(model: torch.nn.Module) -> list[torch.Tensor]:
                 out += [t for t in (v.weight, v.quant and v.quant.q, v.quant and v.quant.s)
                         if isinstance(t, torch.Tensor)]
             elif isinstance(v, tk.Int4Linear):
-                out += [v.packed.q, v.packed.sz]
+                if v.packed is not None:
+                    out += [v.packed.q, v.packed.sz]
                 if v.rows is not None:
                     out += [v.rows.q, v.rows.s]
             elif isinstance(v, dict):
