@@ -68,7 +68,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     xsb[t] = xb + (t0 + t) * k;
                     xs2[t] = x2 + (t0 + t) * gx;
                 }
-                const int together = nt >= MAXT ? MAXR : 1;
+                /* (int4's prepared tiles: 4 rows a call at any token count) */
+                const int together = nt >= MAXT || i4x ? MAXR : 1;
                 int64_t block = -1;                 /* fp8: the row block xsc is scaled for */
                 const float *xv[MAXT];
                 for (int t = 0; t < nt; t++)
