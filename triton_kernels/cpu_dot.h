@@ -845,6 +845,19 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
     return nr;
 }
 
+/* Weight rows a tile takes for nt tokens (prepared: int4's i4x form). Below MAXT tokens one
+ * row at a time, one sequential stream (the DRAM-bound decode; and 4-row tiles for 2-3
+ * tokens outgrow AVX2's registers), MAXR from there (the weights are in cache for the token
+ * blocks after the first: compute-bound, and MAXR rows share each x load). The prepared
+ * tiles take MAXR at any count (i4x_dots runs 2-3 tokens a row at a time): int4 decode is
+ * compute-bound, and 4 rows a call won (the INT4 bench model's batch-1 step 8.2-10.2 ->
+ * 7.2-8.9 ms), where for bf16 and fp8 rows, in L2 1.1-1.4x faster 4 at a time, the bench
+ * model's batch-1 steps ran slower, streamed cold (bf16 12.7-13.4 -> 15.2-17.6 ms, fp8
+ * 11.3-11.7 -> 12.1-12.5). */
+static inline int tile_rows(int nt, int prepared) {
+    return nt >= MAXT || prepared ? MAXR : 1;
+}
+
 static inline int64_t item_rows(int64_t rows, int64_t threads) {
     int64_t r = rows / (4 * threads) / 16 * 16;
     return r < 16 ? 16 : r > ROWS ? ROWS : r;

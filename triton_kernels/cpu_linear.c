@@ -50,8 +50,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
 #pragma omp single nowait
         team = omp_get_num_threads();
         widen_rows(x, xfmt, t_count, k, wfmt, wide, xp, gshift, i4x ? xb : NULL, x2);
-        /* item = `rows` weight rows, for every token: one sequential stream (one row at a
-         * time) below MAXT tokens, MAXR rows sharing each x load from there. */
+        /* item = `rows` weight rows, for every token, tile_rows of them at a time */
         for (;;) {
             /* a thread without its scratch takes no items (the others take them all) */
             int64_t item = (wfmt == FT_E4M3 && !xsc) ? items
@@ -68,8 +67,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     xsb[t] = xb + (t0 + t) * k;
                     xs2[t] = x2 + (t0 + t) * gx;
                 }
-                /* (int4's prepared tiles: 4 rows a call at any token count) */
-                const int together = nt >= MAXT || i4x ? MAXR : 1;
+                const int together = tile_rows(nt, i4x);
                 int64_t block = -1;                 /* fp8: the row block xsc is scaled for */
                 const float *xv[MAXT];
                 for (int t = 0; t < nt; t++)

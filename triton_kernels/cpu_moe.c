@@ -28,11 +28,6 @@
  */
 #include "cpu_dot.h"
 
-/* Rows read together for an expert with n tokens: one at a time (one sequential stream, the
- * DRAM-bound decode) below MAXT tokens, MAXR from there (the weights are in cache for the
- * token blocks after the first: compute-bound, and MAXR rows share each x load). */
-static inline int rows_together(int64_t n) { return n >= MAXT ? MAXR : 1; }
-
 static inline float activate(float g, float u, int kind, float alpha, float limit) {
     if (kind == 0)                          /* silu(gate) * up */
         return g / (1.f + expf(-g)) * u;
@@ -160,7 +155,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     xs2[t] = x2 + (mine[t0 + t] / k_count) * gx;
                 }
                 float g[ROWS][MAXT], u[ROWS][MAXT];
-                const int together = i4x ? MAXR : rows_together(n);
+                const int together = tile_rows(nt, i4x);
                 for (int half = 0; half < 2; half++) {
                     float (*res)[MAXT] = half ? u : g;
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
@@ -226,7 +221,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         hsb[t] = actb + mine[t0 + t] * width;
                         hs2[t] = a2 + mine[t0 + t] * ga;
                     }
-                    const int together = i4x ? MAXR : rows_together(n);
+                    const int together = tile_rows(nt, i4x);
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
                         int nr = r + together <= r1 ? together : 1;
