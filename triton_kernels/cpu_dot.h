@@ -845,7 +845,9 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
     return nr;
 }
 
-/* Weight rows a tile takes for nt tokens (prepared: int4's i4x form). Below MAXT tokens one
+/* Weight rows a tile takes where n tokens meet them (prepared: int4's i4x form; a tile
+ * takes up to MAXT of them, so with n >= MAXT the later tiles find the rows in cache, as
+ * the first tile leaves them). Below MAXT tokens one
  * row at a time, one sequential stream (the DRAM-bound decode; and 4-row tiles for 2-3
  * tokens outgrow AVX2's registers), MAXR from there (the weights are in cache for the token
  * blocks after the first: compute-bound, and MAXR rows share each x load). The prepared
@@ -854,8 +856,8 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
  * 7.2-8.9 ms), where for bf16 and fp8 rows, in L2 1.1-1.4x faster 4 at a time, the bench
  * model's batch-1 steps ran slower, streamed cold (bf16 12.7-13.4 -> 15.2-17.6 ms, fp8
  * 11.3-11.7 -> 12.1-12.5). */
-static inline int tile_rows(int nt, int prepared) {
-    return nt >= MAXT || prepared ? MAXR : 1;
+static inline int tile_rows(int64_t n, int prepared) {
+    return n >= MAXT || prepared ? MAXR : 1;
 }
 
 static inline int64_t item_rows(int64_t rows, int64_t threads) {

@@ -67,7 +67,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     xsb[t] = xb + (t0 + t) * k;
                     xs2[t] = x2 + (t0 + t) * gx;
                 }
-                const int together = tile_rows(nt, i4x);
+                const int together = tile_rows(t_count, i4x);
                 int64_t block = -1;                 /* fp8: the row block xsc is scaled for */
                 const float *xv[MAXT];
                 for (int t = 0; t < nt; t++)

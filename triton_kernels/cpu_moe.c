@@ -155,7 +155,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     xs2[t] = x2 + (mine[t0 + t] / k_count) * gx;
                 }
                 float g[ROWS][MAXT], u[ROWS][MAXT];
-                const int together = tile_rows(nt, i4x);
+                const int together = tile_rows(n, i4x);
                 for (int half = 0; half < 2; half++) {
                     float (*res)[MAXT] = half ? u : g;
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
@@ -221,7 +221,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         hsb[t] = actb + mine[t0 + t] * width;
                         hs2[t] = a2 + mine[t0 + t] * ga;
                     }
-                    const int together = tile_rows(nt, i4x);
+                    const int together = tile_rows(n, i4x);
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
                         int nr = r + together <= r1 ? together : 1;
