@@ -757,13 +757,13 @@ static inline void i4x_dots(const void *const *w, const void *const *gs, int gsh
 #if FT_I4B
 #define TILE(R, T, F) i4b_tile(w, gs, gshift, xb, x2, k, R, T, F, res)
 #elif FT_I4W
-    /* (the common group sizes at compile time: a group's blocks unrolled, no loop) */
-    /* and one token: 4 rows at a time (x's words read once for them, one call and one
-     * loop for 4 rows: a g32 row in L2, best of 6 runs, K 256 15.0 -> 21.8 G weights/s a
-     * core, K 1024 20.9 -> 27.6); more tokens: one row at a time (the products, two
-     * vpmaddwd and two adds a token, are the cost wherever tokens share a row's nibbles,
-     * and 4 rows' int32 and float32 sums outgrow AVX2's 16 registers: 2 tokens on 4 rows
-     * ran 0.76x at K 1024) */
+    /* The common group sizes at compile time (a group's blocks unrolled, no loop). One
+     * token: 4 rows at a time (x's words read once for them, one call and one loop for 4
+     * rows: a g32 row in L2, best of 6 runs, K 256 15.0 -> 21.8 G weights/s a core, K 1024
+     * 20.9 -> 27.6); more tokens: one row at a time (the products, two vpmaddwd and two
+     * adds a token, are the cost wherever tokens share a row's nibbles, and 4 rows' int32
+     * and float32 sums outgrow AVX2's 16 registers: 2 tokens on 4 rows ran 0.76x at K
+     * 1024). */
 #define TILE(R, T, F)                                                                       \
     if (T == 1 && R == MAXR) do {                                                           \
         const int16_t *const *xq = (const int16_t *const *)xb;                              \
@@ -811,7 +811,7 @@ static inline void permute_row(const float *src, float *dst, int64_t k) {
 
 /* Within a parallel region, shared among its threads: x [T, K] in xfmt widened to float32
  * (wide), and for bf16 and int4 weights each row in their paired order into xp (xp == wide
- * for the others), or, given xb, in i4b's form instead (xb [T, K], x2 [T, 2K / 2^gshift]:
+ * for the others), or, given xb, in i4x's form instead (xb [T, K], x2 [T, 2K / 2^gshift]:
  * i4x_prepare's). Ends with the worksharing loop's barrier. */
 static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t k, int wfmt,
                               float *wide, float *xp, int gshift, uint16_t *xb, float *x2) {
@@ -845,19 +845,18 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
     return nr;
 }
 
-/* Weight rows a tile takes where n tokens meet them (prepared: int4's i4x form; a tile
- * takes up to MAXT of them, so with n >= MAXT the later tiles find the rows in cache, as
- * the first tile leaves them). Below MAXT tokens one
- * row at a time, one sequential stream (the DRAM-bound decode; and 4-row tiles for 2-3
- * tokens outgrow AVX2's registers), MAXR from there (the weights are in cache for the token
- * blocks after the first: compute-bound, and MAXR rows share each x load). The prepared
- * tiles take MAXR at any count (i4x_dots runs 2-3 tokens a row at a time): int4 decode is
- * compute-bound, and 4 rows a call won (the INT4 bench model's batch-1 step 8.2-10.2 ->
- * 7.2-8.9 ms), where for bf16 and fp8 rows, in L2 1.1-1.4x faster 4 at a time, the bench
- * model's batch-1 steps ran slower, streamed cold (bf16 12.7-13.4 -> 15.2-17.6 ms, fp8
- * 11.3-11.7 -> 12.1-12.5). */
+/* Weight rows a tile takes where n tokens meet them (a tile takes up to MAXT of them; from
+ * MAXT the later tiles find the rows in cache, as the first leaves them). Below MAXT tokens
+ * one row at a time, one sequential stream (the DRAM-bound decode; and 4-row tiles for 2-3
+ * tokens outgrow AVX2's registers), MAXR from there (compute-bound, and MAXR rows share each
+ * x load). prepared (int4 in i4x's form): on AVX2 (i4w) MAXR at any count (i4x_dots runs
+ * 2-3 tokens a row at a time): its decode is compute-bound, and 4 rows a call won (the INT4
+ * bench model's batch-1 step 8.2-10.2 -> 7.2-8.9 ms), where bf16 and fp8 rows, 1.1-1.4x
+ * faster 4 at a time in L2, ran the bench model's batch-1 steps slower, streamed cold (bf16
+ * 12.7-13.4 -> 15.2-17.6 ms, fp8 11.3-11.7 -> 12.1-12.5). (i4b's tiles keep the rule: not
+ * measured on AVX-512.) */
 static inline int tile_rows(int64_t n, int prepared) {
-    return n >= MAXT || prepared ? MAXR : 1;
+    return n >= MAXT || (prepared && FT_I4W) ? MAXR : 1;
 }
 
 static inline int64_t item_rows(int64_t rows, int64_t threads) {
