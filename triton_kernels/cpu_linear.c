@@ -25,7 +25,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
     if (is_int4(wfmt) && (bk < 2 * VW || (bk & (bk - 1)) || k % bk))
         return -3;
     /* x widened to float32 (wide), then each row in the weight format's order (paired_index);
-     * int4 in a prepared form where the CPU has one instead (cpu_dot.h.s i4x: xb, x2). */
+     * int4 in a prepared form where the CPU has one instead (cpu_dot.h's i4x: xb, x2). */
     const int i4x = is_int4(wfmt) && i4x_takes(k, gshift, xfmt);
     const int64_t tc = t_count ? t_count : 1, gx = i4x ? 2 * (k >> gshift) : 0;
     float *wide = malloc(2 * tc * k * sizeof *wide + tc * gx * sizeof *wide
