@@ -300,17 +300,19 @@ def test_native_int4_linear_pair_products_take_groups_longer_than_a_block(group,
 @pytest.mark.parametrize("group,zeros", [(32, True), (64, False), (128, True), (256, False)])
 def test_native_int4_int16_activations_are_the_documented_rounding(group, zeros, threads):
     # AVX2 builds (cpu_dot.h's i4w) round 16-bit x to int16 per group: sx = max |x| / 32767,
-    # xq = round(x * (32767 / max |x|)) in float32, sums exact in int32, then s sx sum q xq +
-    # m X per group. That arithmetic in float64 matches the kernel to float32's summing
-    # (1e-6 of sum |W x|), 30x under the rounding's own bound, which the float64 product on
-    # the unrounded x must meet. One group carries a 1000x outlier (its small elements lose
-    # bits) and one is all zeros; 1 to 5 tokens (one row at a time), 1 and 2 threads.
+    # xq = round(x * (32767 / max |x|)) in float32, and the sums are W . (sx xq) (q xq exact
+    # in int32, the offsets from sx sum xq). That in float64 matches the kernel to float32's
+    # summing of the two terms before they cancel (q s and m X), and the float64 product on
+    # the unrounded x within the rounding's own bound. One group carries a 1000x outlier (its
+    # small elements lose bits) and one is all zeros; 5 groups a row (the two-group loop and
+    # its tail); 41 rows (4-row tiles and a last single row); 1 to 5 tokens (4-row tiles at
+    # one, a row at a time at more); 1 and 2 threads.
     kernel = tk.native_kernels()
     if kernel.int4_activations != "int16":
         pytest.skip(f"this build's int4 products take 16-bit x as it is "
                     f"({kernel.int4_activations})")
     g = torch.Generator().manual_seed(group)
-    n, k = 40, 512
+    n, k = 41, 5 * group
     q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     s = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).bfloat16()
     z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8) if zeros else None
@@ -318,7 +320,10 @@ def test_native_int4_int16_activations_are_the_documented_rounding(group, zeros,
     nib = torch.stack([q & 15, q >> 4], dim=-1).reshape(n, k).double()
     zero = (z.double() if zeros else torch.full_like(s, 8, dtype=torch.float64))
     w = (nib - zero.repeat_interleave(group, 1)) * s.double().repeat_interleave(group, 1)
-    for t in (1, 5):
+    m = -zero * s.double()                                                   # [N, G]
+    # float32's summing, of the two terms before they cancel: q s and m X
+    wterms = (nib * s.double().repeat_interleave(group, 1) + m.abs().repeat_interleave(group, 1))
+    for t in (1, 2, 3, 5):
         x = torch.randn(t, k, generator=g).bfloat16()
         x[0, 3] = 1000.0
         x[-1, group:2 * group] = 0
@@ -331,18 +336,13 @@ def test_native_int4_int16_activations_are_the_documented_rounding(group, zeros,
         amax = xf.abs().amax(-1, keepdim=True)
         inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))     # float32
         xq = torch.round(xf * inv).clamp(-32767, 32767).double()            # half to even
-        sx = (amax / 32767).double()
-        m = -zero * s.double()                                               # [N, G]
-        sums = torch.einsum("tgj,ngj->tng", xq, nib.view(n, -1, group))     # exact
-        emulated = (sums * sx.squeeze(-1)[:, None, :] * s.double()[None]
-                    + m[None] * xf.double().sum(-1)[:, None, :]).sum(-1)
-        # float32's summing, of the two terms before they cancel: q s and m X
-        terms = x.double().abs() @ (nib * s.double().repeat_interleave(group, 1)
-                                    + m.abs().repeat_interleave(group, 1)).T
-        err = (outs[0].double() - emulated).abs() / terms
-        assert (err <= 2.0 ** -19).all(), t
+        rounded = (xq * (amax / 32767).double()).view(t, k)
+        emulated = rounded @ w.T
+        terms = x.double().abs() @ wterms.T
+        assert ((outs[0].double() - emulated).abs() <= terms * 2.0 ** -19).all(), t
         rounding = int16_x_bound(kernel, x, w.abs(), group)
-        assert ((outs[0].double() - x.double() @ w.T).abs() <= rounding + terms * 2.0 ** -19).all(), t
+        assert ((outs[0].double() - x.double() @ w.T).abs()
+                <= rounding + terms * 2.0 ** -19).all(), t
         assert (rounding > terms * 2.0 ** -15).any()    # the rounding is not lost in the slack
 
 

@@ -562,16 +562,17 @@ i4b_tile(const void *const *w, const void *const *gs, const int gshift, const ui
  * x is rounded to int16 once per token (i4w_prepare: sx = max |x| / 32767 of the group,
  * xq = round(x / sx)), and a block of 32 weights is one zero-extend of its 16 bytes to 16
  * words (byte i: element 2i in the low nibble, 2i + 1 the high), a mask and a shift, and per
- * token two vpmaddwd and two adds, summed exactly in int32 over the group (|sum| <= 15 *
- * 32767 * 256 < 2^31 for groups up to 256); then per group, with W = q s + m and X the
- * group's sum of x,
+ * token two vpmaddwd and two adds, summed exactly in int32 over the group (a lane sums G / 8
+ * products of at most 15 * 32767: < 2^31 for groups G up to 2^15, i4x_takes' limit); then
+ * per group, with W = q s + m and X = sx sum xq the group's sum of the rounded x,
  *     sum_j W_j x_j = s (sx sum_j q_j xq_j) + m X
  * in vector lanes: s (sx u + c) with c = -X in each of the 8 lanes where m = -8 s
  * (FT_INT4S), else s (sx u) + m (X / 8) (u: the int32 lanes converted): two or three FMAs a
- * group, its scales broadcast from memory, no scalar chain. x's rounding is the only change
- * from the float32 path, so it is taken for 16-bit x only (a float32 model keeps that
- * path's sums): |x - sx xq| <= max |x| / 65534 of its group, a 256th of a bf16 ulp of the
- * group's largest element (llama.cpp's q8 activations round to max |x| / 254 per 32). */
+ * group, its scales broadcast from memory, no scalar chain. So the sums are W . (sx xq): x's
+ * rounding is the only change from the float32 path, and it is taken for 16-bit x only (a
+ * float32 model keeps that path's sums): |x - sx xq| <= max |x| / 65534 of its group, a
+ * 256th of a bf16 ulp of the group's largest element (llama.cpp's q8 activations round to
+ * max |x| / 254 per 32). */
 #if VW == 8 && defined(__AVX2__) && defined(__FMA__)
 #define FT_I4W 1
 #else
@@ -580,18 +581,13 @@ i4b_tile(const void *const *w, const void *const *gs, const int gshift, const ui
 #define I4W_BLOCK 32
 #define I4W_ONE 32767.f
 
-/* The position of element e of a row in i4w's x: per block of 32, the even elements, then
- * the odd ones (the low nibbles' words, then the high ones'). */
-static inline int64_t i4w_index(int64_t e) {
-    int64_t r = e % I4W_BLOCK;
-    return e - r + (r & 1) * (I4W_BLOCK / 2) + r / 2;
-}
-
 #if FT_I4W
-/* One row of x (float32, k elements) -> xq [k] int16 in i4w_index's order and x2 [2 * k / G]
- * per group (sx, c): xq's unit and the offset's lanes, -X for FT_INT4S's m = -8 s, else
- * X / 8 (X in float32 from x itself, so the offsets meet x unrounded). A nan or inf in x
- * gives a nan c, so the row's sums are nan. */
+/* One row of x (float32, k elements) -> xq [k] int16, per block of 32 the even elements, then
+ * the odd ones (they meet the low nibbles' words, then the high ones'), and x2 [2 * k / G]
+ * per group (sx, c): xq's unit and the offset's lanes, from X = sx sum xq (exact in int32):
+ * -X for FT_INT4S's m = -8 s, else X / 8. A group whose largest |x| is below float32's
+ * reach of 32767 / |x| (~1e-34) rounds to zeros. A nan or inf in x gives a nan c, so the
+ * row's sums are nan. */
 static inline void i4w_prepare(const float *x, int64_t k, int gshift, int fmt, int16_t *xq,
                                float *x2) {
     const int64_t g = (int64_t)1 << gshift;
@@ -601,17 +597,21 @@ static inline void i4w_prepare(const float *x, int64_t k, int gshift, int fmt, i
         for (int64_t e = g0; e < g0 + g; e += 8) {
             const __m256 v = _mm256_loadu_ps(x + e);
             vmax = _mm256_max_ps(_mm256_andnot_ps(sign, v), vmax);   /* (a nan: ignored) */
-            vsum = _mm256_add_ps(vsum, v);
+            vsum = _mm256_add_ps(vsum, v);                          /* (for nan and inf) */
         }
-        float lanes[8], amax = 0.f, sum;
+        float lanes[8], amax = 0.f;
         _mm256_storeu_ps(lanes, vmax);
         for (int l = 0; l < 8; l++)
             amax = lanes[l] > amax ? lanes[l] : amax;
         vf vs;
         memcpy(&vs, &vsum, sizeof vs);
-        sum = hsum(vs);
-        const float inv = amax > 0.f && amax <= 3.4e38f ? I4W_ONE / amax : 0.f;
+        const float sum = hsum(vs);
+        const int finite = amax <= 3.4e38f && sum == sum;
+        float inv = finite && amax > 0.f ? I4W_ONE / amax : 0.f;
+        if (!(inv <= 3.4e38f))
+            inv = 0.f;
         const __m256 vinv = _mm256_set1_ps(inv);
+        int32_t qsum = 0;
         for (int64_t b = g0; b < g0 + g; b += I4W_BLOCK) {
             int32_t q[I4W_BLOCK];
             for (int v = 0; v < I4W_BLOCK / 8; v++) {
@@ -622,11 +622,13 @@ static inline void i4w_prepare(const float *x, int64_t k, int gshift, int fmt, i
             for (int i = 0; i < I4W_BLOCK / 2; i++) {
                 xq[b + i] = (int16_t)q[2 * i];
                 xq[b + I4W_BLOCK / 2 + i] = (int16_t)q[2 * i + 1];
+                qsum += q[2 * i] + q[2 * i + 1];
             }
         }
-        const float c = fmt == FT_INT4S ? -sum : sum / 8.f;      /* summed over 8 lanes */
-        x2[2 * (g0 >> gshift)] = amax / I4W_ONE;
-        x2[2 * (g0 >> gshift) + 1] = inv > 0.f || amax == 0.f ? c : NAN;
+        const float sx = amax / I4W_ONE, xs = sx * (float)qsum;
+        const float c = fmt == FT_INT4S ? -xs : xs / 8.f;        /* summed over 8 lanes */
+        x2[2 * (g0 >> gshift)] = sx;
+        x2[2 * (g0 >> gshift) + 1] = finite ? c : NAN;
     }
 }
 
@@ -736,7 +738,8 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
 static inline int i4x_takes(int64_t k, int gshift, int xfmt) {
     if (FT_I4B)
         return xfmt == 0 && k % I4B_BLOCK == 0;
-    return FT_I4W && xfmt != 2 && (1 << gshift) >= I4W_BLOCK && k % I4W_BLOCK == 0;
+    return FT_I4W && xfmt != 2 && (1 << gshift) >= I4W_BLOCK && gshift <= 15
+           && k % I4W_BLOCK == 0;
 }
 
 /* One row of x (float32) in the prepared form: xb [k] 16-bit words, x2 [2 * k / G] floats. */

@@ -28,12 +28,13 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
      * int4 in a prepared form where the CPU has one instead (cpu_dot.h's i4x: xb, x2). */
     const int i4x = is_int4(wfmt) && i4x_takes(k, gshift, xfmt);
     const int64_t tc = t_count ? t_count : 1, gx = i4x ? 2 * (k >> gshift) : 0;
-    float *wide = malloc(2 * tc * k * sizeof *wide + tc * gx * sizeof *wide
+    const int64_t copies = paired_fmt(wfmt) && !i4x ? 2 : 1;       /* wide, and xp apart */
+    float *wide = malloc(copies * tc * k * sizeof *wide + tc * gx * sizeof *wide
                          + (i4x ? tc * k * sizeof(uint16_t) : 0));
     if (!wide)
         return -1;
-    float *xp = paired_fmt(wfmt) && !i4x ? wide + t_count * k : wide;
-    float *x2 = wide + 2 * tc * k;
+    float *xp = copies == 2 ? wide + t_count * k : wide;
+    float *x2 = wide + copies * tc * k;
     uint16_t *xb = (uint16_t *)(x2 + tc * gx);
     const int64_t rows = item_rows(n, threads);
     const int64_t items = (n + rows - 1) / rows;

@@ -97,10 +97,12 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
      * i4x: x and the activations in its form (xb and x2, actb and a2) instead. */
     const int64_t gx = i4x ? 2 * (d >> gshift) : 0, ga = i4x ? 2 * (width >> gshift) : 0;
     const int64_t tc = t_count ? t_count : 1, pc = pairs ? pairs : 1;
-    float *wide = malloc(2 * tc * d * sizeof *wide + (i4x ? tc * gx + pc * ga : 0) * sizeof *wide
+    const int64_t copies = paired_fmt(fmt) && !i4x ? 2 : 1;        /* wide, and xp apart */
+    float *wide = malloc(copies * tc * d * sizeof *wide
+                         + (i4x ? tc * gx + pc * ga : 0) * sizeof *wide
                          + (i4x ? (tc * d + pc * width) * sizeof(uint16_t) : 0));
-    float *xp = paired_fmt(fmt) && !i4x ? wide + t_count * d : wide;
-    float *x2 = wide + 2 * tc * d, *a2 = x2 + tc * gx;
+    float *xp = copies == 2 ? wide + t_count * d : wide;
+    float *x2 = wide + copies * tc * d, *a2 = x2 + tc * gx;
     uint16_t *xb = (uint16_t *)(a2 + pc * ga), *actb = xb + tc * d;
     if (!wide) {
         free(start), free(order), free(used);
