@@ -141,12 +141,11 @@ class QuantLinear(nn.Module):
     def pack_cpu(self) -> int:
         """A quantized weight on the CPU, in 16 bits: keep a copy the CPU multiplies fast (the
         checkpoint's tensors stay for dequantized()).
-        - INT4 (bf16): packed for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py,
-          Int4Linear), as many bytes; the checkpoint's nibbles (cpu_rows: a symmetric
-          weight's bf16 scales as they are, else float32 group pairs, a quarter of a byte a
-          weight at G 32, beside them) serve decode rows on the native GEMV where it is the
-          faster (AVX2), and on an AMX CPU a prefill chunk's rows, decoded to bf16 for AMX's
-          product.
+        - INT4 (bf16): an Int4Linear (triton_kernels/int4_cpu.py) on the checkpoint's
+          nibbles (cpu_rows: a symmetric weight's bf16 scales as they are, else float32 group
+          pairs, a quarter of a byte a weight at G 32): on AVX2 the native GEMV at every row
+          count, no copy; elsewhere a copy packed for torch's CPU int4 GEMM, as many bytes,
+          and on an AMX CPU a prefill chunk's rows decoded to bf16 for AMX's product.
         - The rest (fp8, mxfp4, nvfp4, INT4 the int4 GEMM cannot take), which torch has no CPU
           GEMM for: decoded once into a 2-byte copy for the CPU's products (cpu_linear: bf16
           for the native GEMV and AMX's GEMM in a bf16 model on an AMX CPU, else fp16 for the
