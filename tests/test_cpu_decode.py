@@ -60,8 +60,9 @@ def test_native_linear_gives_the_same_bits_on_any_thread_count(threads):
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
 def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, xdtype, threads):
     # fp8 e4m3 bytes with their block scales (ragged blocks, subnormal codes: fp8_bank),
-    # against float64 on the exactly decoded weight; and the same bits on 1-3 threads.
-    for t in (1, 3, 4, 9):
+    # against float64 on the exactly decoded weight; and the same bits on 1-3 threads. Tokens:
+    # one row, 3 a row at a time, whole 4-row tiles, their 2- and 1-token tails.
+    for t in (1, 3, 4, 6, 9):
         x, w, b = case(t, t, n, k, torch.float32, xdtype)
         q, s, deq = fp8_bank(w[None], bn, bk)
         outs = []
@@ -79,6 +80,27 @@ def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, x
         kernel.linear(x, q[0], b, scales=s[0], block=(bn * 2, bk))
     with pytest.raises(ValueError, match="block scales"):
         kernel.linear(x, q[0], b)
+
+
+def test_native_fp8_linear_decodes_every_e4m3_code_in_every_lane(threads):
+    # Each of the 254 e4m3 codes that are numbers (0x7f and 0xff are nan) at each position of
+    # a 32-byte block (the AVX2 build decodes blocks through byte tables: one table pair for
+    # normal codes, another for zeros and subnormals, blended in where a block holds one), in
+    # rows of normal codes only and rows mixing both, plus a tail; per-tensor scale 1, so
+    # each output is the float32 sum of exact products.
+    threads(2)
+    codes = torch.tensor([c for c in range(256) if c & 0x7f != 0x7f], dtype=torch.uint8)
+    normal = codes[(codes & 0x78) != 0]
+    k = 32 * 254 + 8
+    rows = [torch.cat([codes.roll(r)] * 33)[:k] for r in range(32)]      # each code, each lane
+    rows += [torch.cat([normal.roll(5 * r)] * 36)[:k] for r in range(8)]
+    q = torch.stack(rows).view(torch.float8_e4m3fn)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    for t in (1, 3):
+        got = kernel.linear(x[:t], q, None, scales=torch.ones(1, 1), block=(q.shape[0], k))
+        want = x[:t].double() @ q.double().T
+        bound = (x[:t].double().abs() @ q.double().abs().T) * 2.0 ** -20
+        assert ((got.double() - want).abs() <= bound).all(), t
 
 
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True)])

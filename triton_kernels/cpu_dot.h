@@ -67,16 +67,75 @@ static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t g
  * 1.4x; 4 and 8 KB ahead ran alike, 1 KB half the gain.) */
 #define PF_BYTES 4096
 
-/* e4m3 weights widened to float32 at 1/E4M3_UNIT of their value, exactly: the byte
- * sign-extended to 16 bits and shifted left by 7 puts its sign on float16's (bit 15, and a
- * copy on bit 14, cleared), its exponent and mantissa on float16's lowest exponent and
- * mantissa bits: value / 2^8 (the biases are 7 and 15; e4m3's subnormals land on float16's),
- * widened by vcvtph2ps. The caller's x carries the 2^8 (scale_row), so no multiply here.
+/* e4m3 rows on AVX2 (FT_F8L): 32 weights decoded to bfloat16 through byte tables, so no
+ * conversion instruction runs. For a normal e4m3 byte s eeee mmm (value 2^(e - 7) (1 + m/8))
+ * the bfloat16 of the same value has exponent e + 120: its high byte (s and the exponent's top
+ * 7 bits) is s * 128 + (e >> 1) + 60, a function of the byte's high nibble (s and e's top
+ * three bits) alone, and its low byte (the exponent's last bit, 7 mantissa bits) is
+ * (e & 1) * 128 + m * 16, a function of the low nibble alone: one vpshufb each. Bytes with
+ * e = 0 (zero and the subnormals m 2^-9, three binades) have no such split: a block holding
+ * one takes two more tables on its low nibble, blended in. That is rare in a checkpoint (|w|
+ * under 2^-6 of a 448 full scale; ~1e-4 of a normal's codes). An unpack interleaves the two
+ * bytes into bfloat16 words, and a shift or a mask widens those, as bf16 rows are widened.
+ * Why: the path below (the AVX2 form of it) takes ~8 vector ops a 16 weights, 6 of them
+ * converts and shuffles, and bound an fp8 layer at half the speed bf16 streamed at on the
+ * 2-core EPYC (the bench model's experts: 14.7 G weights/s on 2 threads; bf16 27.5 GB/s).
+ * Here ~14 plain ops a 32. One row of 1024, one token, in L2 on one core: 11.1 -> 14.0 G
+ * weights/s; with an e = 0 byte in most blocks (a worst case) 9.8. One MoE layer at one
+ * token (bench/cpu_moe.py), against bf16's time in the same run: 0.88-1.12x -> 0.63-0.75x.
+ * The vectors it gives hold, per 32-byte block, lane L's bytes 16L + 2d + {0, 1} + {0, 8}
+ * (d 0..3): x meets them in that order (paired_index). The weights are their exact values. */
+#if VW == 8 && defined(__AVX2__)
+#define FT_F8L 1
+#else
+#define FT_F8L 0
+#endif
+
+#if FT_F8L
+#define E4M3_UNIT 1.f
+static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p, vf f[4]) {
+    /* high byte by the high nibble, low byte by the low nibble; then, for e = 0, both by
+     * the low nibble (0mmm; the sign is the byte's own): each table twice, a lane's */
+#define T16(...) __VA_ARGS__, __VA_ARGS__
+    static const uint8_t tab[4][32] __attribute__((aligned(32))) = {
+        {T16(60, 61, 62, 63, 64, 65, 66, 67, 188, 189, 190, 191, 192, 193, 194, 195)},
+        {T16(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240)},
+        {T16(0, 0x3b, 0x3b, 0x3b, 0x3c, 0x3c, 0x3c, 0x3c, 0, 0, 0, 0, 0, 0, 0, 0)},
+        {T16(0, 0, 0x80, 0xc0, 0, 0x20, 0x40, 0x60, 0, 0, 0, 0, 0, 0, 0, 0)}};
+#undef T16
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(b, nib);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+    __m256i H = _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[0]), hi);
+    __m256i L = _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[1]), lo);
+    const __m256i z = _mm256_cmpeq_epi8(_mm256_and_si256(b, _mm256_set1_epi8(0x78)),
+                                        _mm256_setzero_si256());
+    if (__builtin_expect(!_mm256_testz_si256(z, z), 0)) {
+        const __m256i hs = _mm256_or_si256(
+            _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[2]), lo),
+            _mm256_and_si256(b, _mm256_set1_epi8((char)0x80)));
+        H = _mm256_blendv_epi8(H, hs, z);
+        L = _mm256_blendv_epi8(L, _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[3]), lo), z);
+    }
+    const __m256i w0 = _mm256_unpacklo_epi8(L, H), w1 = _mm256_unpackhi_epi8(L, H);
+    const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i v[4] = {_mm256_slli_epi32(w0, 16), _mm256_and_si256(w0, odd),
+                          _mm256_slli_epi32(w1, 16), _mm256_and_si256(w1, odd)};
+    memcpy(f, v, sizeof v);
+}
+#else
+/* Elsewhere (AVX-512; no AVX2), e4m3 weights widened to float32 at 1/E4M3_UNIT of their
+ * value, exactly: the byte sign-extended to 16 bits and shifted left by 7 puts its sign on
+ * float16's (bit 15, and a copy on bit 14, cleared), its exponent and mantissa on float16's
+ * lowest exponent and mantissa bits: value / 2^8 (the biases are 7 and 15; e4m3's
+ * subnormals land on float16's), widened by vcvtph2ps. The caller's x carries the 2^8 (scale_row), so no multiply here.
  * Two ALU ops per 2 * VW weights: the older form (two shifts, two ands and an or per VW,
  * then a multiply) bound the kernel at ~4 G weights/s a core, under DRAM speed. (Through
  * float32's places instead, a subnormal e4m3 weight is a float32 denormal, and each multiply
  * that meets one takes a microcode assist: a layer ran 5x slower.) e4m3fn's nan, 0x7f,
- * reads as 480: checkpoints hold none. */
+ * reads as 480 (FT_F8L's too): checkpoints hold none. On AVX2, before FT_F8L: 16 bytes
+ * sign-extended at once (vpmovsxbw), a shift, a mask, an extract and two converts. */
 #define E4M3_UNIT 256.f
 
 static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf *lo, vf *hi) {
@@ -94,15 +153,6 @@ static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf
         __m512 v = _mm512_cvtph_ps(h);
         memcpy(half ? hi : lo, &v, sizeof *lo);
     }
-#elif defined(__AVX2__) && defined(__F16C__)
-    /* 16 bytes sign-extended at once (GCC's vector conversion below takes two 4-byte
-     * extends and an unpack a half, ~2x the ops: it bound an fp8 layer on a 2-core EPYC) */
-    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbfff));
-    __m256 a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-    __m256 b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-    memcpy(lo, &a, sizeof *lo);
-    memcpy(hi, &b, sizeof *hi);
 #else
     typedef int8_t vi8 __attribute__((vector_size(VW)));
     typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
@@ -125,13 +175,14 @@ static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf
     }
 #endif
 }
+#endif
 
 /* One e4m3 byte at 1/E4M3_UNIT of its value (load_e4m3's). */
 static inline float scalar_e4m3(uint8_t b) {
     uint16_t h = (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
     _Float16 v;
     memcpy(&v, &h, sizeof v);
-    return (float)v;
+    return (float)v * (256.f / E4M3_UNIT);    /* float16's places hold 1/256 of it */
 }
 
 /* 2 * VW int4 weights (VW bytes: element 2i in byte i's low nibble, 2i + 1 in its high one)
@@ -173,19 +224,9 @@ static inline const void *row_at(const void *base, int64_t row, int64_t k, int f
     return (const char *)base + (is_int4(fmt) ? row * k / 2 : row * k * (fmt == FT_E4M3 ? 1 : 2));
 }
 
-/* Whether fmt's rows meet x in paired order (paired_index). */
-static inline int paired_fmt(int fmt) { return fmt == 0 || is_int4(fmt); }
-
-/* dst = x * its block's scale * E4M3_UNIT, column j's scale srow[j / bk]: an fp8 row
- * block's x (load_e4m3's weights are 1/E4M3_UNIT of theirs). */
-static inline void scale_row(const float *x, float *dst, int64_t k, const float *srow,
-                             int64_t bk) {
-    for (int64_t c0 = 0; c0 < k; c0 += bk) {         /* a block at a time: no division */
-        const float sc = srow[c0 / bk] * E4M3_UNIT;
-        const int64_t c1 = c0 + bk < k ? c0 + bk : k;
-        for (int64_t j = c0; j < c1; j++)
-            dst[j] = x[j] * sc;
-    }
+/* Whether fmt's rows meet x in an order of their own (paired_index). */
+static inline int paired_fmt(int fmt) {
+    return fmt == 0 || is_int4(fmt) || (FT_F8L && fmt == FT_E4M3);
 }
 
 static inline __attribute__((always_inline)) vf load_w(const uint16_t *p, const int fmt) {
@@ -292,13 +333,40 @@ static inline __attribute__((always_inline)) float hsum(vf v) {
  * ALU ops widen 2 * VW weights (a zero-extend and shift widen VW, and cost 3 ops on
  * AVX-512: it was the kernel's bound). So the vectors they meet are "paired": per block of
  * 2 * VW elements, the even ones then the odd ones (paired_index); a row's elements past its
- * last whole block stay in order. int4 rows are paired too (a byte's two nibbles); fp16
- * and fp8 rows (vcvtph2ps) meet vectors in plain order. */
+ * last whole block stay in order. int4 rows are paired too (a byte's two nibbles), and
+ * FT_F8L's e4m3 rows have their own order in blocks of 32 (load_e4m3_f8l's); fp16 rows and,
+ * elsewhere, fp8 ones (vcvtph2ps) meet vectors in plain order. */
 static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
+    if (FT_F8L && fmt == FT_E4M3) {     /* load_e4m3_f8l's 4 vectors of a 32-byte block */
+        int64_t block = j / 32, e = j % 32;
+        if ((block + 1) * 32 > k)
+            return j;
+        int64_t lane = e / 16, upper = e % 16 / 8, d = e % 8 / 2, odd = e & 1;
+        return block * 32 + (2 * upper + odd) * 8 + lane * 4 + d;
+    }
     int64_t block = j / (2 * VW), r = j % (2 * VW);
     if (!paired_fmt(fmt) || (block + 1) * 2 * VW > k)
         return j;
     return block * 2 * VW + (r & 1) * VW + r / 2;
+}
+
+/* dst = x * its block's scale * E4M3_UNIT, column j's scale srow[j / bk]: an fp8 row
+ * block's x (load_e4m3's weights are 1/E4M3_UNIT of theirs). */
+static inline void scale_row(const float *x, float *dst, int64_t k, const float *srow,
+                             int64_t bk) {
+    if (FT_F8L && bk < k && bk % 32) {  /* a 32-block of x (paired_index) crosses blocks */
+        for (int64_t j = 0; j < k; j++) {
+            const int64_t at = paired_index(j, k, FT_E4M3);
+            dst[at] = x[at] * srow[j / bk] * E4M3_UNIT;
+        }
+        return;
+    }
+    for (int64_t c0 = 0; c0 < k; c0 += bk) {         /* a block at a time: no division */
+        const float sc = srow[c0 / bk] * E4M3_UNIT;
+        const int64_t c1 = c0 + bk < k ? c0 + bk : k;
+        for (int64_t j = c0; j < c1; j++)
+            dst[j] = x[j] * sc;
+    }
 }
 
 /* One 2 * VW block of the tile at column j: the NR rows' weights widened once (lo: the
@@ -332,7 +400,9 @@ tile_block(const void *const *w, const float *gsc, const float *gm, const float 
             memcpy(&lo, &a, sizeof lo);
             memcpy(&hi, &b, sizeof hi);
         } else if (fmt == FT_E4M3) {
+#if !FT_F8L                             /* (FT_F8L: tile_f8l's) */
             load_e4m3((const uint8_t *)w[r] + j, &lo, &hi);
+#endif
         } else if (is_int4(fmt)) {
             load_int4((const uint8_t *)w[r] + j / 2, gsc[r], gm[r], &lo, &hi);
         } else {
@@ -346,6 +416,32 @@ tile_block(const void *const *w, const float *gsc, const float *gm, const float 
         }
     }
 }
+
+#if FT_F8L
+/* tile_block for e4m3 rows on FT_F8L: a block of 32 weights, each row's four vectors
+ * (load_e4m3_f8l) over the `chains` accumulator chains of its tokens. x is read from memory,
+ * an FMA operand each: 4 vectors a token held for the rows would outgrow AVX2's 16
+ * registers, as 4 rows' accumulators for 4 tokens do beside the decode's (dots splits
+ * those tiles in two). */
+static inline __attribute__((always_inline)) void
+tile_f8l(const void *const *w, const float *const *x, const int j, const int NR, const int NT,
+         vf (*acc)[MAXR][MAXT], const int chains) {
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++) {
+        vf f[4];
+        __builtin_prefetch((const char *)w[r] + j + PF_BYTES, 0, 1);
+        load_e4m3_f8l((const uint8_t *)w[r] + j, f);
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            #pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                vf xv;
+                memcpy(&xv, x[t] + j + v * VW, sizeof xv);
+                acc[v % chains][r][t] += f[v] * xv;
+            }
+    }
+}
+#endif
 
 /* res[r * MAXT + t] = w[r] . x[t] over k, for NR weight rows and NT tokens (x in the row
  * format's order, see paired_index): each weight vector widened once for the NT tokens.
@@ -377,6 +473,12 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
         for (int r = 0; r < NR; r++)                                            \
             int4_sm(gs[r], (jj) >> gshift, fmt, &gsc[r], &gm[r]);
     int j = 0;
+#if FT_F8L
+    if (fmt == FT_E4M3)
+        for (; j + 32 <= k; j += 32)    /* ~8 accumulators, what the registers leave */
+            tile_f8l(w, x, j, NR, NT, acc, NR * NT >= 6 ? 1 : NR * NT >= 3 ? 2 : 4);
+    else
+#endif
     if (U == 2)
         for (; j + 4 * VW <= k; j += 4 * VW) {
             GROUP_AT(j)
@@ -384,7 +486,7 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
             GROUP_AT(j + 2 * VW)
             tile_block(w, gsc, gm, x, j + 2 * VW, NR, NT, fmt, acc[C], acc[2 * C - 1]);
         }
-    for (; j + 2 * VW <= k; j += 2 * VW) {
+    for (; !(FT_F8L && fmt == FT_E4M3) && j + 2 * VW <= k; j += 2 * VW) {
         GROUP_AT(j)
         tile_block(w, gsc, gm, x, j, NR, NT, fmt, acc[0], acc[C - 1]);
     }
@@ -411,6 +513,17 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
  * (NULL for the other formats). */
 static inline void dots(const void *const *w, const void *const *gs, int gshift,
                         const float *const *x, int k, int nr, int nt, int fmt, float *res) {
+#if FT_F8L
+    if (fmt == FT_E4M3 && nr == MAXR) {     /* two tiles of 2 rows (tile_f8l) */
+        for (int h = 0; h < MAXR; h += 2) {
+            if (nt == 1) dot_tile(w + h, gs, gshift, x, k, 2, 1, FT_E4M3, res + h * MAXT);
+            else if (nt == 2) dot_tile(w + h, gs, gshift, x, k, 2, 2, FT_E4M3, res + h * MAXT);
+            else if (nt == 3) dot_tile(w + h, gs, gshift, x, k, 2, 3, FT_E4M3, res + h * MAXT);
+            else dot_tile(w + h, gs, gshift, x, k, 2, 4, FT_E4M3, res + h * MAXT);
+        }
+        return;
+    }
+#endif
 #define CASE(R, T)                                                              \
     if (nr == R && nt == T) {                                                   \
         if (fmt == 0) dot_tile(w, gs, gshift, x, k, R, T, 0, res);              \
@@ -800,9 +913,14 @@ static inline void i4x_dots(const void *const *w, const void *const *gs, int gsh
 #endif
 }
 
-/* One row of x in paired order (paired_index): evens then odds of each 2 * VW block. */
-static inline void permute_row(const float *src, float *dst, int64_t k) {
+/* One row of x in fmt's order (paired_index): evens then odds of each 2 * VW block. */
+static inline void permute_row(const float *src, float *dst, int64_t k, int fmt) {
     int64_t j = 0;
+    if (FT_F8L && fmt == FT_E4M3) {
+        for (; j < k; j++)
+            dst[paired_index(j, k, fmt)] = src[j];
+        return;
+    }
     for (; j + 2 * VW <= k; j += 2 * VW)
         for (int q = 0; q < VW; q++) {
             dst[j + q] = src[j + 2 * q];
@@ -825,7 +943,7 @@ static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t 
         if (xb)
             i4x_prepare(wide + t * k, k, gshift, wfmt, xb + t * k, x2 + t * 2 * (k >> gshift));
         else if (paired_fmt(wfmt))
-            permute_row(wide + t * k, xp + t * k, k);
+            permute_row(wide + t * k, xp + t * k, k, wfmt);
     }
 }
 
