@@ -111,7 +111,7 @@ static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p
     __m256i L = _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[1]), lo);
     const __m256i z = _mm256_cmpeq_epi8(_mm256_and_si256(b, _mm256_set1_epi8(0x78)),
                                         _mm256_setzero_si256());
-    if (__builtin_expect(!_mm256_testz_si256(z, z), 0)) {
+    if (__builtin_expect(_mm256_movemask_epi8(z) != 0, 0)) {     /* (vptest: 0.94x) */
         const __m256i hs = _mm256_or_si256(
             _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[2]), lo),
             _mm256_and_si256(b, _mm256_set1_epi8((char)0x80)));
