@@ -56,12 +56,15 @@ def test_native_linear_gives_the_same_bits_on_any_thread_count(threads):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("n,k,bn,bk", [(37, 100, 16, 32), (300, 256, 128, 128), (40, 72, 32, 16)])
+@pytest.mark.parametrize("n,k,bn,bk", [(37, 100, 16, 32), (300, 256, 128, 128), (40, 72, 32, 16),
+                                        (300, 96, 10, 48)])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
 def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, xdtype, threads):
     # fp8 e4m3 bytes with their block scales (ragged blocks, subnormal codes: fp8_bank),
-    # against float64 on the exactly decoded weight; and the same bits on 1-3 threads. Tokens:
-    # one row, 3 a row at a time, whole 4-row tiles, their 2- and 1-token tails.
+    # against float64 on the exactly decoded weight; and the same bits on 1-3 threads (whose
+    # work items start at other rows: 300 rows are items of 64, 32 and 16 rows, and row
+    # blocks of 10 are not whole 4-row tiles). Tokens: one row, 3 a row at a time, whole
+    # 4-row tiles, their 2- and 1-token tails.
     for t in (1, 3, 4, 6, 9):
         x, w, b = case(t, t, n, k, torch.float32, xdtype)
         q, s, deq = fp8_bank(w[None], bn, bk)
@@ -84,23 +87,23 @@ def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, x
 
 def test_native_fp8_linear_decodes_every_e4m3_code_in_every_lane(threads):
     # Each of the 254 e4m3 codes that are numbers (0x7f and 0xff are nan) at each position of
-    # a 32-byte block (the AVX2 build decodes blocks through byte tables: one table pair for
-    # normal codes, another for zeros and subnormals, blended in where a block holds one), in
-    # rows of normal codes only and rows mixing both, plus a tail; per-tensor scale 1, so
-    # each output is the float32 sum of exact products.
+    # a 32-byte block (the AVX2 build decodes blocks through byte tables: one pair for normal
+    # codes, another for zeros and subnormals, blended in where a block holds one), in rows
+    # mixing both and rows of normal codes only, plus a tail; power-of-two block scales. x is
+    # the identity, so each output is one exact product: the decoded weight, bit for bit, and
+    # each token meets its own column (the order x is laid out in).
     threads(2)
     codes = torch.tensor([c for c in range(256) if c & 0x7f != 0x7f], dtype=torch.uint8)
     normal = codes[(codes & 0x78) != 0]
-    k = 32 * 254 + 8
-    rows = [torch.cat([codes.roll(r)] * 33)[:k] for r in range(32)]      # each code, each lane
-    rows += [torch.cat([normal.roll(5 * r)] * 36)[:k] for r in range(8)]
+    k = 8 * 32 + 8
+    rows = [torch.cat([codes.roll(r)] * 2)[:k] for r in range(32)]     # each code in each lane
+    rows += [torch.cat([normal.roll(5 * r)] * 2)[:k] for r in range(8)]
     q = torch.stack(rows).view(torch.float8_e4m3fn)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
-    for t in (1, 3):
-        got = kernel.linear(x[:t], q, None, scales=torch.ones(1, 1), block=(q.shape[0], k))
-        want = x[:t].double() @ q.double().T
-        bound = (x[:t].double().abs() @ q.double().abs().T) * 2.0 ** -20
-        assert ((got.double() - want).abs() <= bound).all(), t
+    s = 2.0 ** torch.randint(-3, 4, (1, 9), generator=torch.Generator().manual_seed(0))
+    want = (q.float() * s.repeat_interleave(32, 1)[:, :k]).T
+    for t in (1, 3, 4, k):
+        got = kernel.linear(torch.eye(k)[:t], q, None, scales=s, block=(q.shape[0], 32))
+        assert torch.equal(got, want[:t]), t
 
 
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True)])

@@ -144,7 +144,7 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
     assert not list((tmp_path / "other" / "native").glob("*.so"))
 
 
-# ---- fp8 experts from their bytes (cpu_dot.h's load_e4m3, NativeFp8Bank) ---------------------
+# ---- fp8 experts from their bytes (cpu_dot.h's load_e4m3 / load_e4m3_f8l, NativeFp8Bank) -------
 
 @pytest.mark.parametrize("d,i,bn,bk", [(64, 32, 16, 32), (72, 40, 32, 16), (256, 128, 128, 128)])
 @pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])

@@ -455,9 +455,12 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
          const int k, const int NR, const int NT, const int fmt, float *res) {
     const int C = NR * NT >= 8 ? 1 : 2;    /* chains a block */
     const int U = NR * NT >= 4 ? 1 : 2;    /* blocks an iteration */
+    /* FT_F8L's e4m3 tiles: ~8 accumulators, what the registers leave beside its tables */
+    const int CH = FT_F8L && fmt == FT_E4M3 ? (NR * NT >= 6 ? 1 : NR * NT >= 3 ? 2 : 4)
+                                            : C * U;
     vf acc[4][MAXR][MAXT];                 /* [chain][row][token] */
     #pragma GCC unroll 4
-    for (int c = 0; c < C * U; c++)
+    for (int c = 0; c < CH; c++)
         #pragma GCC unroll 4
         for (int r = 0; r < NR; r++)
             #pragma GCC unroll 4
@@ -475,8 +478,8 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
     int j = 0;
 #if FT_F8L
     if (fmt == FT_E4M3)
-        for (; j + 32 <= k; j += 32)    /* ~8 accumulators, what the registers leave */
-            tile_f8l(w, x, j, NR, NT, acc, NR * NT >= 6 ? 1 : NR * NT >= 3 ? 2 : 4);
+        for (; j + 32 <= k; j += 32)
+            tile_f8l(w, x, j, NR, NT, acc, CH);
     else
 #endif
     if (U == 2)
@@ -497,7 +500,7 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
         for (int t = 0; t < NT; t++) {
             vf sum = acc[0][r][t];
             #pragma GCC unroll 4
-            for (int c = 1; c < C * U; c++)
+            for (int c = 1; c < CH; c++)
                 sum += acc[c][r][t];
             float s = hsum(sum);
             for (int q = j; q < k; q++)
@@ -913,7 +916,8 @@ static inline void i4x_dots(const void *const *w, const void *const *gs, int gsh
 #endif
 }
 
-/* One row of x in fmt's order (paired_index): evens then odds of each 2 * VW block. */
+/* One row of x in fmt's order (paired_index): evens then odds of each 2 * VW block, or
+ * FT_F8L's e4m3 order of each 32. */
 static inline void permute_row(const float *src, float *dst, int64_t k, int fmt) {
     int64_t j = 0;
     if (FT_F8L && fmt == FT_E4M3) {
@@ -931,9 +935,9 @@ static inline void permute_row(const float *src, float *dst, int64_t k, int fmt)
 }
 
 /* Within a parallel region, shared among its threads: x [T, K] in xfmt widened to float32
- * (wide), and for bf16 and int4 weights each row in their paired order into xp (xp == wide
- * for the others), or, given xb, in i4x's form instead (xb [T, K], x2 [T, 2K / 2^gshift]:
- * i4x_prepare's). Ends with the worksharing loop's barrier. */
+ * (wide), and for bf16, int4 and FT_F8L's e4m3 weights each row in their order into xp
+ * (paired_fmt; xp == wide for the others), or, given xb, in i4x's form instead (xb [T, K],
+ * x2 [T, 2K / 2^gshift]: i4x_prepare's). Ends with the worksharing loop's barrier. */
 static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t k, int wfmt,
                               float *wide, float *xp, int gshift, uint16_t *xb, float *x2) {
 #pragma omp for schedule(static)
@@ -954,7 +958,10 @@ static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t 
 static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t *block,
                            const float *const *xs, const float **xv, int nt, float *xsc,
                            int64_t k, const float *scales, int64_t cb) {
-    if ((row + nr - 1) / bn != row / bn)
+    /* a tile's rows by their own index, not the work item's start (which moves with the
+     * thread count): whole aligned groups within one row block, so every row is summed by
+     * the same tile shape, the same bits on any thread count (row blocks of any bn) */
+    if (row % nr || (row + nr - 1) / bn != row / bn)
         nr = 1;
     if (row / bn != *block) {
         *block = row / bn;

@@ -93,7 +93,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         }
         free(fill);
     }
-    /* x widened to float32 (wide), in the weight format's order (xp: paired for bf16);
+    /* x widened to float32 (wide), in the weight format's order (xp: paired_fmt's);
      * i4x: x and the activations in its form (xb and x2, actb and a2) instead. */
     const int64_t gx = i4x ? 2 * (d >> gshift) : 0, ga = i4x ? 2 * (width >> gshift) : 0;
     const int64_t tc = t_count ? t_count : 1, pc = pairs ? pairs : 1;
