@@ -958,10 +958,7 @@ static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t 
 static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t *block,
                            const float *const *xs, const float **xv, int nt, float *xsc,
                            int64_t k, const float *scales, int64_t cb) {
-    /* a tile's rows by their own index, not the work item's start (which moves with the
-     * thread count): whole aligned groups within one row block, so every row is summed by
-     * the same tile shape, the same bits on any thread count (row blocks of any bn) */
-    if (row % nr || (row + nr - 1) / bn != row / bn)
+    if ((row + nr - 1) / bn != row / bn)
         nr = 1;
     if (row / bn != *block) {
         *block = row / bn;
@@ -985,6 +982,16 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
  * measured on AVX-512.) */
 static inline int tile_rows(int64_t n, int prepared) {
     return n >= MAXT || (prepared && FT_I4W) ? MAXR : 1;
+}
+
+/* The rows of the tile at row r (of a weight's rows, items ending at r1): `together` where
+ * r is a multiple of it and the tile ends within the item, else 1. The tiles fall on the
+ * rows' own multiples, not on an item's start: items start at multiples of 16 but where
+ * depends on the thread count, and an fp8 tile that would straddle a row block runs its rows
+ * one at a time (fp8_rows), which moves the tiles after it (row blocks of 10: other bits on
+ * 2 threads than on 1). Each row summed by one tile shape: the same bits on any count. */
+static inline int tile_at(int64_t r, int64_t r1, int together) {
+    return r % together == 0 && r + together <= r1 ? together : 1;
 }
 
 static inline int64_t item_rows(int64_t rows, int64_t threads) {

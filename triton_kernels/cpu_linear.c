@@ -74,7 +74,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                 for (int t = 0; t < nt; t++)
                     xv[t] = xs[t];
                 for (int64_t r = r0; r < r1;) {
-                    int nr = r + together <= r1 ? together : 1;
+                    int nr = tile_at(r, r1, together);
                     if (wfmt == FT_E4M3)
                         nr = fp8_rows(r, nr, bn, bk, &block, xs, xv, nt, xsc, k, scales, cb);
                     const void *ws[MAXR];

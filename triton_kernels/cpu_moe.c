@@ -166,7 +166,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         xv[t] = xs[t];
                     for (int64_t i = i0; i < i1;) {
                         int64_t row = half * width + i;           /* the expert's w13 row */
-                        int nr = i + together <= i1 ? together : 1;
+                        int nr = tile_at(i, i1, together);
                         if (fmt == FT_E4M3)
                             nr = fp8_rows(row, nr, bn, bk, &block, xs, xv, nt, xsc, d,
                                           (const float *)s13 + s * rb13 * cb13, cb13);
@@ -226,7 +226,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     const int together = tile_rows(n, i4x);
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
-                        int nr = r + together <= r1 ? together : 1;
+                        int nr = tile_at(r, r1, together);
                         if (fmt == FT_E4M3)
                             nr = fp8_rows(r, nr, bn, bk, &block, hs, hv, nt, xsc, width,
                                           (const float *)s2 + s * rb2 * cb2, cb2);
