@@ -75,8 +75,9 @@ static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t g
  * (e & 1) * 128 + m * 16, a function of the low nibble alone: one vpshufb each. Bytes with
  * e = 0 (zero and the subnormals m 2^-9, three binades) have no such split: a block holding
  * one takes two more tables on its low nibble, blended in. That is rare in a checkpoint (|w|
- * under 2^-6 of a 448 full scale; ~1e-4 of a normal's codes). An unpack interleaves the two
- * bytes into bfloat16 words, and a shift or a mask widens those, as bf16 rows are widened.
+ * under 2^-6 of a 448 full scale: ~1e-4 of normally distributed weights). An unpack
+ * interleaves the two bytes into bfloat16 words, and a shift or a mask widens those, as bf16
+ * rows are widened.
  * Why: the path below (the AVX2 form of it) takes ~8 vector ops a 16 weights, 6 of them
  * converts and shuffles, and bound an fp8 layer at half the speed bf16 streamed at on the
  * 2-core EPYC (the bench model's experts: 14.7 G weights/s on 2 threads; bf16 27.5 GB/s).
@@ -116,7 +117,8 @@ static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p
             _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[2]), lo),
             _mm256_and_si256(b, _mm256_set1_epi8((char)0x80)));
         H = _mm256_blendv_epi8(H, hs, z);
-        L = _mm256_blendv_epi8(L, _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[3]), lo), z);
+        const __m256i ls = _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[3]), lo);
+        L = _mm256_blendv_epi8(L, ls, z);
     }
     const __m256i w0 = _mm256_unpacklo_epi8(L, H), w1 = _mm256_unpackhi_epi8(L, H);
     const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
@@ -129,7 +131,8 @@ static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p
  * value, exactly: the byte sign-extended to 16 bits and shifted left by 7 puts its sign on
  * float16's (bit 15, and a copy on bit 14, cleared), its exponent and mantissa on float16's
  * lowest exponent and mantissa bits: value / 2^8 (the biases are 7 and 15; e4m3's
- * subnormals land on float16's), widened by vcvtph2ps. The caller's x carries the 2^8 (scale_row), so no multiply here.
+ * subnormals land on float16's), widened by vcvtph2ps. The caller's x carries the 2^8
+ * (scale_row), so no multiply here.
  * Two ALU ops per 2 * VW weights: the older form (two shifts, two ands and an or per VW,
  * then a multiply) bound the kernel at ~4 G weights/s a core, under DRAM speed. (Through
  * float32's places instead, a subnormal e4m3 weight is a float32 denormal, and each multiply
