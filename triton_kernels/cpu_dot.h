@@ -923,9 +923,13 @@ static inline void i4x_dots(const void *const *w, const void *const *gs, int gsh
  * FT_F8L's e4m3 order of each 32. */
 static inline void permute_row(const float *src, float *dst, int64_t k, int fmt) {
     int64_t j = 0;
-    if (FT_F8L && fmt == FT_E4M3) {
+    if (FT_F8L && fmt == FT_E4M3) {     /* paired_index's, a block at a time */
+        for (; j + 32 <= k; j += 32)
+            for (int v = 0; v < 4; v++)         /* 2 * upper + odd */
+                for (int p = 0; p < 8; p++)     /* lane * 4 + d */
+                    dst[j + v * 8 + p] = src[j + p / 4 * 16 + v / 2 * 8 + p % 4 * 2 + v % 2];
         for (; j < k; j++)
-            dst[paired_index(j, k, fmt)] = src[j];
+            dst[j] = src[j];
         return;
     }
     for (; j + 2 * VW <= k; j += 2 * VW)
