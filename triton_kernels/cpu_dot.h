@@ -83,7 +83,10 @@ static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t g
  * 2-core EPYC (the bench model's experts: 14.7 G weights/s on 2 threads; bf16 27.5 GB/s).
  * Here ~14 plain ops a 32. One row of 1024, one token, in L2 on one core: 11.1 -> 14.0 G
  * weights/s; with an e = 0 byte in most blocks (a worst case) 9.8. One MoE layer at one
- * token (bench/cpu_moe.py), against bf16's time in the same run: 0.88-1.12x -> 0.63-0.75x.
+ * token (bench/cpu_moe.py), against bf16's time in the same run, 7 interleaved pairs:
+ * 0.77-1.12x (median 0.88) -> 0.63-0.83x (0.79); 2 tokens 0.71-0.90x -> 0.77-0.79x; 8
+ * tokens about the same; from 64 (4-row tiles, FMA-bound) unchanged. Streamed cold, the
+ * layer gains less than the rows in L2 do.
  * The vectors it gives hold, per 32-byte block, lane L's bytes 16L + 2d + {0, 1} + {0, 8}
  * (d 0..3): x meets them in that order (paired_index). The weights are their exact values. */
 #if VW == 8 && defined(__AVX2__)
