@@ -517,33 +517,63 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
         }
 }
 
+/* The tile for one row (w[0]) and nt (1..MAXT) tokens at run time: one specialised body per
+ * count. */
+static inline void row_dots(const void *const *w, const void *const *gs, int gshift,
+                            const float *const *x, int k, int nt, int fmt, float *res) {
+#define CASE(T)                                                                 \
+    if (nt == T) {                                                              \
+        if (fmt == 0) dot_tile(w, gs, gshift, x, k, 1, T, 0, res);              \
+        else if (fmt == 1) dot_tile(w, gs, gshift, x, k, 1, T, 1, res);         \
+        else if (fmt == FT_E4M3) dot_tile(w, gs, gshift, x, k, 1, T, FT_E4M3, res); \
+        else if (fmt == FT_INT4) dot_tile(w, gs, gshift, x, k, 1, T, FT_INT4, res); \
+        else dot_tile(w, gs, gshift, x, k, 1, T, FT_INT4S, res);                \
+        return;                                                                 \
+    }
+    CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+}
+
 /* The tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time: one specialised
  * body per shape. int4: gs[r] row r's scales (int4_sm's), a group of 2^gshift columns each
- * (NULL for the other formats). */
+ * (NULL for the other formats).
+ * cold (fewer than MAXT tokens meet these rows, so they are streamed from memory, not found
+ * in cache): MAXR rows run one after another, a 1-row tile each, so each row is read as
+ * one sequential stream where a tile's rows side by side are MAXR streams (streamed cold,
+ * one core, 1-token tiles: bf16 rows of 128 and 256 ran 0.6-0.8x, fp8 rows of 1024 and
+ * 2048 0.85x), and the call's own cost (its dispatch, the caller's loop) is shared by MAXR
+ * rows (one core, fp8 rows of 256 in L2 10.1 -> 12.5 G weights/s, of 1024 cold 13.2 ->
+ * 14.2). FT_F8L's fp8 rows of 256 or fewer at one token are the exception: its 4-row tile
+ * runs them 1.2-1.35x faster, cold too (9.7 -> 13.1; the bench model's down rows). */
 static inline void dots(const void *const *w, const void *const *gs, int gshift,
-                        const float *const *x, int k, int nr, int nt, int fmt, float *res) {
+                        const float *const *x, int k, int nr, int nt, int fmt, int cold,
+                        float *res) {
+    const int short_f8l = FT_F8L && fmt == FT_E4M3 && nt == 1 && k <= 256;
+    if (nr == 1 || (cold && !short_f8l)) {
+        for (int h = 0; h < nr; h++)
+            row_dots(w + h, gs + h, gshift, x, k, nt, fmt, res + h * MAXT);
+        return;
+    }
 #if FT_F8L
-    if (fmt == FT_E4M3 && nr == MAXR) {     /* two tiles of 2 rows (tile_f8l) */
+    if (fmt == FT_E4M3 && nt > 1) {     /* two tiles of 2 rows (tile_f8l) */
         for (int h = 0; h < MAXR; h += 2) {
-            if (nt == 1) dot_tile(w + h, gs, gshift, x, k, 2, 1, FT_E4M3, res + h * MAXT);
-            else if (nt == 2) dot_tile(w + h, gs, gshift, x, k, 2, 2, FT_E4M3, res + h * MAXT);
+            if (nt == 2) dot_tile(w + h, gs, gshift, x, k, 2, 2, FT_E4M3, res + h * MAXT);
             else if (nt == 3) dot_tile(w + h, gs, gshift, x, k, 2, 3, FT_E4M3, res + h * MAXT);
             else dot_tile(w + h, gs, gshift, x, k, 2, 4, FT_E4M3, res + h * MAXT);
         }
         return;
     }
 #endif
-#define CASE(R, T)                                                              \
-    if (nr == R && nt == T) {                                                   \
-        if (fmt == 0) dot_tile(w, gs, gshift, x, k, R, T, 0, res);              \
-        else if (fmt == 1) dot_tile(w, gs, gshift, x, k, R, T, 1, res);         \
-        else if (fmt == FT_E4M3) dot_tile(w, gs, gshift, x, k, R, T, FT_E4M3, res); \
-        else if (fmt == FT_INT4) dot_tile(w, gs, gshift, x, k, R, T, FT_INT4, res); \
-        else dot_tile(w, gs, gshift, x, k, R, T, FT_INT4S, res);                \
+#define CASE(T)                                                                 \
+    if (nt == T) {                                                              \
+        if (fmt == 0) dot_tile(w, gs, gshift, x, k, MAXR, T, 0, res);           \
+        else if (fmt == 1) dot_tile(w, gs, gshift, x, k, MAXR, T, 1, res);      \
+        else if (fmt == FT_E4M3) dot_tile(w, gs, gshift, x, k, MAXR, T, FT_E4M3, res); \
+        else if (fmt == FT_INT4) dot_tile(w, gs, gshift, x, k, MAXR, T, FT_INT4, res); \
+        else dot_tile(w, gs, gshift, x, k, MAXR, T, FT_INT4S, res);             \
         return;                                                                 \
     }
-    CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4)
-    CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
+    CASE(1) CASE(2) CASE(3) CASE(4)
 #undef CASE
 }
 
@@ -980,18 +1010,14 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
     return nr;
 }
 
-/* Weight rows a tile takes where n tokens meet them (a tile takes up to MAXT of them; from
- * MAXT the later tiles find the rows in cache, as the first leaves them). Below MAXT tokens
- * one row at a time, one sequential stream (the DRAM-bound decode; and 4-row tiles for 2-3
- * tokens outgrow AVX2's registers), MAXR from there (compute-bound, and MAXR rows share each
- * x load). prepared (int4 in i4x's form): on AVX2 (i4w) MAXR at any count (i4x_dots runs
- * 2-3 tokens a row at a time): its decode is compute-bound, and 4 rows a call won (the INT4
- * bench model's batch-1 step 8.2-10.2 -> 7.2-8.9 ms), where bf16 and fp8 rows, 1.1-1.4x
- * faster 4 at a time in L2, ran the bench model's batch-1 steps slower, streamed cold (bf16
- * 12.7-13.4 -> 15.2-17.6 ms, fp8 11.3-11.7 -> 12.1-12.5). (i4b's tiles keep the rule: not
- * measured on AVX-512.) */
+/* Weight rows a call takes where n tokens meet them: MAXR (dots runs them one after
+ * another below MAXT tokens: its `cold`), but for prepared int4 (i4x's form) on AVX-512
+ * (i4b) one below MAXT: a tile's rows side by side are MAXR streams, and i4b's tiles are not
+ * measured otherwise. On AVX2 (i4w) MAXR at any count (i4x_dots runs 2-3 tokens a row at a
+ * time): its decode is compute-bound, and 4 rows a call won (the INT4 bench model's batch-1
+ * step 8.2-10.2 -> 7.2-8.9 ms). */
 static inline int tile_rows(int64_t n, int prepared) {
-    return n >= MAXT || (prepared && FT_I4W) ? MAXR : 1;
+    return n >= MAXT || !prepared || FT_I4W ? MAXR : 1;
 }
 
 /* The rows of the tile at row r (of a weight's rows, items ending at r1): `together` where
