@@ -27,7 +27,7 @@
 #define VW 8
 #endif
 #define MAXT 4      /* tokens of one expert per pass over a weight row (in registers) */
-#define MAXR 4      /* weight rows per pass, where an expert has MAXT tokens or more */
+#define MAXR 4      /* weight rows per call (one tile; below MAXT tokens one after another) */
 #define ROWS 128    /* most weight rows per work item: a long sequential stream per item
                      * (16 rows, 32 KB: 15 GB/s cold on 2 threads; 128 rows: 27) */
 
@@ -539,12 +539,15 @@ static inline void row_dots(const void *const *w, const void *const *gs, int gsh
  * (NULL for the other formats).
  * cold (fewer than MAXT tokens meet these rows, so they are streamed from memory, not found
  * in cache): MAXR rows run one after another, a 1-row tile each, so each row is read as
- * one sequential stream where a tile's rows side by side are MAXR streams (streamed cold,
- * one core, 1-token tiles: bf16 rows of 128 and 256 ran 0.6-0.8x, fp8 rows of 1024 and
- * 2048 0.85x), and the call's own cost (its dispatch, the caller's loop) is shared by MAXR
- * rows (one core, fp8 rows of 256 in L2 10.1 -> 12.5 G weights/s, of 1024 cold 13.2 ->
- * 14.2). FT_F8L's fp8 rows of 256 or fewer at one token are the exception: its 4-row tile
- * runs them 1.2-1.35x faster, cold too (9.7 -> 13.1; the bench model's down rows). */
+ * one sequential stream, where a tile's rows side by side are MAXR streams: 1.1-1.4x
+ * faster in L2, they ran the bench model's batch-1 steps slower (bf16 12.7-13.4 -> 15.2-17.6
+ * ms, fp8 11.3-11.7 -> 12.1-12.5), and one core's 1-token tiles streamed cold 0.6-0.8x
+ * (bf16 rows of 128 and 256) and 0.85x (fp8 rows of 1024 and 2048). The call's own cost
+ * (its dispatch, the caller's loop) is shared by MAXR rows: one core, fp8 rows of 256 in L2
+ * 10.1 -> 12.5 G weights/s, of 1024 cold 13.2 -> 13.2-14.2. FT_F8L's fp8 rows of 256 or
+ * fewer at one token are the exception: its 4-row tile runs them 1.2-1.35x faster, cold
+ * too (9.7 -> 13.1; the bench model's down rows), as it runs any fp8 1-token tail of
+ * MAXT tokens or more (rows in cache: two 2-row tiles ran 0.84-0.85x). */
 static inline void dots(const void *const *w, const void *const *gs, int gshift,
                         const float *const *x, int k, int nr, int nt, int fmt, int cold,
                         float *res) {
@@ -555,7 +558,7 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
         return;
     }
 #if FT_F8L
-    if (fmt == FT_E4M3 && nt > 1) {     /* two tiles of 2 rows (tile_f8l) */
+    if (fmt == FT_E4M3 && nt > 1) {     /* 2-4 tokens: two tiles of 2 rows (tile_f8l) */
         for (int h = 0; h < MAXR; h += 2) {
             if (nt == 2) dot_tile(w + h, gs, gshift, x, k, 2, 2, FT_E4M3, res + h * MAXT);
             else if (nt == 3) dot_tile(w + h, gs, gshift, x, k, 2, 3, FT_E4M3, res + h * MAXT);
