@@ -897,7 +897,8 @@ class NativeFp8Bank:
     a weight read. Each weight is widened in registers (cpu_dot.h's load_e4m3; on AVX2
     load_e4m3_f8l's byte tables) and x is scaled per block, so a batch-1 layer costs ~0.65x a
     bf16 bank's (2-core Xeon, 64 experts, D 1024, I 256, cold: 0.39 ms against 0.59; 2-core
-    EPYC 0.63-0.83x, median 0.79) and 3-9x less than the tile decode.
+    EPYC 0.62-0.69x in three runs, 2 tokens 0.59-0.62x, 8 tokens 0.70-0.75x; 0.63-0.83x at
+    one token before a call took 4 rows below 4 tokens) and 3-9x less than the tile decode.
     prefill: the same experts decoded to bf16 (NativeBank.decoded, gemm), which fused_moe
     hands prefill chunks to, on the AMX kernel (cpu_amx.py): 2 bytes a weight beside the
     checkpoint's, counted in nbytes; None: prefill chunks run the AMX kernel from the bytes
