@@ -537,17 +537,21 @@ static inline void row_dots(const void *const *w, const void *const *gs, int gsh
 /* The tile for nr (1 or MAXR) rows and nt (1..MAXT) tokens at run time: one specialised
  * body per shape. int4: gs[r] row r's scales (int4_sm's), a group of 2^gshift columns each
  * (NULL for the other formats).
- * cold (fewer than MAXT tokens meet these rows, so they are streamed from memory, not found
- * in cache): MAXR rows run one after another, a 1-row tile each, so each row is read as
- * one sequential stream, where a tile's rows side by side are MAXR streams: 1.1-1.4x
- * faster in L2, they ran the bench model's batch-1 steps slower (bf16 12.7-13.4 -> 15.2-17.6
- * ms, fp8 11.3-11.7 -> 12.1-12.5), and one core's 1-token tiles streamed cold 0.6-0.8x
- * (bf16 rows of 128 and 256) and 0.85x (fp8 rows of 1024 and 2048). The call's own cost
- * (its dispatch, the caller's loop) is shared by MAXR rows: one core, fp8 rows of 256 in L2
- * 10.1 -> 12.5 G weights/s, of 1024 cold 13.2 -> 13.2-14.2. FT_F8L's fp8 rows of 256 or
- * fewer at one token are the exception: its 4-row tile runs them 1.2-1.35x faster, cold
- * too (9.7 -> 13.1; the bench model's down rows), as it runs any fp8 1-token tail of
- * MAXT tokens or more (rows in cache: two 2-row tiles ran 0.84-0.85x). */
+ * cold (the first pass of tokens over these rows, which streams them from memory; later
+ * passes, MAXT tokens on, find them in cache): MAXR rows run one after another, a 1-row
+ * tile each, so each row is read as one sequential stream. A tile's rows side by side are
+ * MAXR streams: 1.1-1.4x faster in L2, they ran slower streamed cold (the bench model's
+ * batch-1 steps: bf16 12.7-13.4 -> 15.2-17.6 ms, fp8 11.3-11.7 -> 12.1-12.5; one core's
+ * 1-token tiles: 0.6-0.8x for bf16 rows of 128 and 256, 0.85x for fp8 rows of 1024 and
+ * 2048; 4 tokens on 2 threads: bf16 rows of 1024 36-38 against 54-59 G weight-tokens/s
+ * one after another, fp8 39-47 against 58-61, and the bench models' 4-sequence decode step
+ * bf16 27.2-27.9 ms against 25.8-27.6, FP8 21.6-22.0 against 20.1-20.5, prefill the same).
+ * The call's own cost (its dispatch, the caller's loop) is shared by MAXR rows: one core,
+ * fp8 rows of 256 in L2 10.1 -> 12.5 G weights/s, of 1024 cold 13.2 -> 13.2-14.2.
+ * FT_F8L's fp8 rows of 256 or fewer at one token are the exception: its 4-row tile runs
+ * them 1.2-1.35x faster, cold too (9.7 -> 13.1; the bench model's down rows), as it runs
+ * any fp8 1-token tail of MAXT tokens or more (rows in cache: two 2-row tiles ran
+ * 0.84-0.85x). */
 static inline void dots(const void *const *w, const void *const *gs, int gshift,
                         const float *const *x, int k, int nr, int nt, int fmt, int cold,
                         float *res) {
@@ -1014,7 +1018,7 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
 }
 
 /* Weight rows a call takes where n tokens meet them: MAXR (dots runs them one after
- * another below MAXT tokens: its `cold`), but for prepared int4 (i4x's form) on AVX-512
+ * another on the first pass: its `cold`), but for prepared int4 (i4x's form) on AVX-512
  * (i4b) one below MAXT: a tile's rows side by side are MAXR streams, and i4b's tiles are not
  * measured otherwise. On AVX2 (i4w) MAXR at any count (i4x_dots runs 2-3 tokens a row at a
  * time): its decode is compute-bound, and 4 rows a call won (the INT4 bench model's batch-1

@@ -88,7 +88,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     if (i4x)
                         i4x_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, wfmt, res);
                     else
-                        dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, t_count < MAXT, res);
+                        dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, t0 == 0, res);
                     for (int q = 0; q < nr; q++)
                         for (int t = 0; t < nt; t++)
                             store_as(out, (t0 + t) * n + r + q,

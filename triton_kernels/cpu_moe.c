@@ -180,7 +180,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         if (i4x)
                             i4x_dots(w, gs, gshift, xsb, xs2, d, nr, nt, fmt, res[i - i0]);
                         else
-                            dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, n < MAXT,
+                            dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, t0 == 0,
                                  res[i - i0]);
                         i += nr;
                     }
@@ -242,7 +242,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         if (i4x)
                             i4x_dots(w, gs, gshift, hsb, hs2, width, nr, nt, fmt, res);
                         else
-                            dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, n < MAXT, res);
+                            dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, t0 == 0, res);
                         for (int q = 0; q < nr; q++)
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];
