@@ -57,17 +57,19 @@ def test_native_linear_gives_the_same_bits_on_any_thread_count(threads):
 
 
 @pytest.mark.parametrize("n,k,bn,bk", [(37, 100, 16, 32), (300, 256, 128, 128), (40, 72, 32, 16),
-                                        (300, 96, 10, 48)])
+                                        (300, 96, 10, 48), (37, 100, 1, 0), (300, 256, 1, 0)])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
 def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, xdtype, threads):
-    # fp8 e4m3 bytes with their block scales (ragged blocks, subnormal codes: fp8_bank),
-    # against float64 on the exactly decoded weight; and the same bits on 1-3 threads (whose
-    # work items start at other rows: 300 rows are items of 64, 32 and 16 rows, and row
-    # blocks of 10 are not whole 4-row tiles). Tokens: one row, 3 a row at a time, whole
-    # 4-row tiles, their 2- and 1-token tails.
+    # fp8 e4m3 bytes with their block scales (ragged blocks, subnormal codes: fp8_bank), or
+    # row scales (block (1, 0): a channel's, applied to each row's sums), against float64 on
+    # the exactly decoded weight; and the same bits on 1-3 threads (whose work items start
+    # at other rows: 300 rows are items of 64, 32 and 16 rows, and row blocks of 10 are not
+    # whole 4-row tiles). Tokens: one row, 3 a row at a time, whole 4-row tiles, their 2-
+    # and 1-token tails.
     for t in (1, 3, 4, 6, 9):
         x, w, b = case(t, t, n, k, torch.float32, xdtype)
-        q, s, deq = fp8_bank(w[None], bn, bk)
+        q, s, deq = fp8_bank(w[None], bn, bk or k)
+        s = s if bk else s[..., 0].contiguous()             # [1, N]: a row's own
         outs = []
         for nthreads in (1, 2, 3):
             threads(nthreads)
@@ -81,6 +83,8 @@ def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, x
         assert ((got.double() - want).abs() <= bound).all(), t
     with pytest.raises(ValueError, match="block scales"):
         kernel.linear(x, q[0], b, scales=s[0], block=(bn * 2, bk))
+    with pytest.raises(ValueError, match="block scales"):           # no such block
+        kernel.linear(x, q[0], b, scales=s[0], block=(bn, -1))
     with pytest.raises(ValueError, match="block scales"):
         kernel.linear(x, q[0], b)
 

@@ -87,18 +87,22 @@ def test_program_steps_give_the_modules_bits(tiny_model_dir, family, dtype):  # 
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("quant", ["fp8", "fp8-channel", "int4"])
 def test_quantized_program_steps_give_the_modules_bits(quantized, quant):
-    # fp8: the native GEMV and experts on the checkpoint's bytes; int4: its q/k/v and o
-    # projections on the native GEMV where it takes bf16 x as int16 (AVX2), else on torch's
-    # int4 GEMM as the program's Python steps between native runs.
+    # fp8: the native GEMV and experts on the checkpoint's bytes (channel scales as row
+    # scales: q, k and v fuse, every step native; 128-row blocks straddle q and k here, so
+    # their fused copy is FBGEMM's, a Python step, where AMX does not take it); int4: its q/k/v and o projections on
+    # the native GEMV where it takes bf16 x as int16 (AVX2), else on torch's int4 GEMM as
+    # the program's Python steps between native runs.
     ids = prompts(3)
     params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0, logprobs=2)
     got, graph, want = both(quantized(quant), ids, params)
     assert graph is not None and graph.runs >= 5
+    python_steps = any(callable(item) for item in graph.program.items)
     if quant == "int4":
-        python_steps = any(callable(item) for item in graph.program.items)
         assert python_steps == (tk.native_kernels().int4_activations != "int16")
+    elif quant == "fp8-channel":
+        assert not python_steps
     assert_same(got, want)
 
 

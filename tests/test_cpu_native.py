@@ -146,18 +146,22 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
 
 # ---- fp8 experts from their bytes (cpu_dot.h's load_e4m3 / load_e4m3_f8l, NativeFp8Bank) -------
 
-@pytest.mark.parametrize("d,i,bn,bk", [(64, 32, 16, 32), (72, 40, 32, 16), (256, 128, 128, 128)])
+@pytest.mark.parametrize("d,i,bn,bk", [(64, 32, 16, 32), (72, 40, 32, 16), (256, 128, 128, 128),
+                                        (72, 40, 1, 0), (256, 128, 1, 0)])
 @pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])
 def test_native_fp8_moe_matches_the_decoded_reference(d, i, bn, bk, activation, threads):
     # Blocks that tile the banks, ragged ones (rows and columns of a block past the edge, and
-    # blocks that a 4-row tile would straddle), 1 to 40 tokens; against the float32 reference
+    # blocks that a 4-row tile would straddle), row scales (block (1, 0): a checkpoint's
+    # channel scales, on each row's sums), 1 to 40 tokens; against the float32 reference
     # on the exactly decoded weights, subnormal e4m3 codes included.
     threads(2)
     kernel = tk.native_kernels()
     for t in (1, 3, 9, 40):
         c = biased_experts(seed=t, t=t, d=d, i=i, e=6, k=2, pool=9)
-        q13, s13, deq13 = fp8_bank(c["w13"], bn, bk)
-        q2, s2, deq2 = fp8_bank(c["w2"], bn, bk)
+        q13, s13, deq13 = fp8_bank(c["w13"], bn, bk or d)
+        q2, s2, deq2 = fp8_bank(c["w2"], bn, bk or i)
+        if not bk:                                          # [S, N]: a row's own
+            s13, s2 = s13[..., 0].contiguous(), s2[..., 0].contiguous()
         got = kernel.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"], c["b13"],
                          c["b2"], activation.kind, activation.alpha, activation.limit,
                          scales=(s13, s2), block=(bn, bk))
@@ -191,6 +195,19 @@ def test_native_fp8_banks_through_fused_moe(threads):
         kernel.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"])
     with pytest.raises(ValueError, match="NativeFp8Bank"):
         tk.NativeFp8Bank(q13, s13[:, :1], (32, 32), kernel)
+    # row scales (a checkpoint's channel scales): [E, N], block (1, 0) only
+    q13, s13, deq13 = fp8_bank(c["w13"], 1, 64)
+    q2, s2, deq2 = fp8_bank(c["w2"], 1, 32)
+    s13, s2 = s13[..., 0].contiguous(), s2[..., 0].contiguous()
+    b13, b2 = (tk.NativeFp8Bank(q, s, (1, 0), kernel) for q, s in ((q13, s13), (q2, s2)))
+    assert b13.nbytes == q13.numel() + s13.numel() * 4
+    out = on_1_to_3_threads(threads, lambda: tk.fused_moe(
+        c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"]))
+    want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
+                               c["slot_map"])
+    assert rel(out, want) < 1e-2
+    with pytest.raises(ValueError, match="NativeFp8Bank"):
+        tk.NativeFp8Bank(q13, s13, (2, 0), kernel)
 
 
 # ---- int4 experts from their nibbles (cpu_dot.h's load_int4, NativeInt4Bank) -----------------

@@ -351,7 +351,7 @@ def test_quant_linear_packs_its_decoded_weight_for_the_cpu():
     assert f32.pack_cpu() == 0 and f32.packed is None
 
 
-@pytest.mark.parametrize("quant", ["fp8", "fp8-tensor", "nvfp4"])
+@pytest.mark.parametrize("quant", ["fp8", "fp8-tensor", "fp8-channel", "nvfp4"])
 def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     # The runner packs every quantized projection of a bf16 CPU model (attention and the
     # dense MLP here; q, k and v decoded into one product a layer); the logits stay as near
@@ -371,11 +371,14 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     fused = {id(getattr(m, n)) for m in attns + mlps for n in m.cpu_fused}
     qlin = [m for m in modules if isinstance(m, QuantLinear) and id(m) not in fused]
     assert len(qlin) >= 4 and all(isinstance(m.packed, tk.CpuLinear) for m in qlin)
-    # fp8 keeps its bytes for the decode rows' GEMV (block scales, or the tensor's as one
-    # block; q, k and v's concatenated where their row blocks line up: BLOCK's 16 rows do)
-    fp8 = quant in ("fp8", "fp8-tensor") and tk.native_kernels() is not None
+    # fp8 keeps its bytes for the decode rows' GEMV (block scales, or a tensor's or a
+    # channel's as row scales, block (1, 0); q, k and v's concatenated where their row blocks
+    # line up: BLOCK's 16 rows do, and row scales always)
+    fp8 = quant.startswith("fp8") and tk.native_kernels() is not None
     assert all((m.packed.quant is not None) == fp8 for m in qlin)
-    assert all((a.qkv_packed.quant is not None) == (fp8 and quant == "fp8") for a in attns)
+    assert all((a.qkv_packed.quant is not None) == fp8 for a in attns)
+    if fp8 and quant != "fp8":
+        assert all(m.packed.quant.block == (1, 0) for m in qlin)
     # Row by row (the native GEMV, from the fp8 bytes where kept) against 8 rows at once
     # (the GEMM on the 16-bit copy): the same weight, to bf16's rounding of its copy.
     g = torch.Generator().manual_seed(0)
@@ -394,7 +397,8 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
 
 
 @pytest.mark.parametrize("quant,family", [("fp8", "qwen3_moe"), ("fp8-tensor", "qwen3_moe"),
-                                          ("nvfp4", "qwen3_moe"), ("mxfp4", "gpt_oss")])
+                                          ("fp8-channel", "qwen3_moe"), ("nvfp4", "qwen3_moe"),
+                                          ("mxfp4", "gpt_oss")])
 def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, monkeypatch,
                                                                     quant, family):
     # Experts only the CPU computes, in a format torch's CPU has no GEMM for, are decoded
@@ -412,10 +416,10 @@ def test_bf16_cpu_engine_decodes_quantized_experts_where_ram_allows(tmp_path, mo
         llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16", **kw)
         banks = [b.experts.bank() for b in llm.runner.model.moe_blocks().values()]
         cpu_bank = tk.NativeBank if tk.native_kernels() else tk.Fp16Bank
-        # fp8 blocks run from their bytes on the native kernel, room or not, with a bf16 copy
-        # for prefill chunks where there is room and AMX; the others are decoded with the
-        # room, else keep the tile decode.
-        from_bytes = quant == "fp8" and tk.native_kernels() is not None
+        # fp8 (blocks, or per tensor kept as channel scales) runs from its bytes on the
+        # native kernel, room or not, with a bf16 copy for prefill chunks where there is room
+        # and AMX; the others are decoded with the room, else keep the tile decode.
+        from_bytes = quant.startswith("fp8") and tk.native_kernels() is not None
         copy = from_bytes and bool(room) and tk.has_amx_bf16()
         assert banks
         for b in banks:

@@ -108,8 +108,8 @@ def _weights(w13, w2) -> tuple | None:
     if (w13.experts, w13.n, w13.k) != (slots, 2 * width, d):
         return None
     if isinstance(w13, NativeFp8Bank):
-        if w13.block != w2.block:
-            return None
+        if w13.block != w2.block or w13.block[1] == 0:
+            return None                     # (row scales: the kernel decodes blocks only)
         return (w13.q.data_ptr(), w2.q.data_ptr(), w13.s.data_ptr(), w2.s.data_ptr(),
                 E4M3_FORMAT, *w13.block, slots, d, width)
     fmt = _int4_format(w13.gs, (slots, 2 * width, d // w13.group))

@@ -1001,10 +1001,15 @@ static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t 
 /* fp8: a tile of nr weight rows from `row` kept within one row block of bn rows (else one
  * row), and xv the nt tokens' xs scaled by that block's column scales (scales [row blocks,
  * cb] of this expert), rescaled into xsc [MAXT, k] when the block changes (*block: the
- * block xv holds). Returns the tile's rows. */
+ * block xv holds). Returns the tile's rows.
+ * Row scales (bk 0, bn 1: a checkpoint's channel scales, one a row) are not applied to x,
+ * which would be rescaled at every row, but to each row's sum (fp8_sum_scale): the tile
+ * meets xv = xs as it is. */
 static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t *block,
                            const float *const *xs, const float **xv, int nt, float *xsc,
                            int64_t k, const float *scales, int64_t cb) {
+    if (!bk)
+        return nr;
     if ((row + nr - 1) / bn != row / bn)
         nr = 1;
     if (row / bn != *block) {
@@ -1015,6 +1020,13 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
         }
     }
     return nr;
+}
+
+/* What row `row`'s sum of an fp8 weight is multiplied by: with row scales (bk 0) its scale
+ * (scales [rows], load_e4m3's weights being 1/E4M3_UNIT of theirs), else 1 (fp8_rows scaled
+ * x). */
+static inline float fp8_sum_scale(const float *scales, int64_t bk, int64_t row) {
+    return bk ? 1.f : scales[row] * E4M3_UNIT;
 }
 
 /* Weight rows a call takes where n tokens meet them: MAXR (dots runs them one after

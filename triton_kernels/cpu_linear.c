@@ -9,7 +9,8 @@
  * widened once inside the call and y written in its dtype.
  *
  * Formats: w 0 bf16, 1 fp16, 3 fp8 e4m3 (scales [ceil(N/bn), ceil(K/bk)] f32, the scale of
- * each (bn, bk) block, applied to x per row block as cpu_moe.c does), 4 and 5 int4 ([N, K/2]
+ * each (bn, bk) block, applied to x per row block as cpu_moe.c does; or (bn, bk) (1, 0):
+ * scales [N], a row's own, applied to its sum), 4 and 5 int4 ([N, K/2]
  * nibbles; scales [N, K/G, 2] f32, each group's (scale, -zero * scale), or 5: [N, K/G] bf16,
  * zero point 8; G = bk a power of two from 2 * VW dividing K); else scales NULL; x and out
  * 0 bf16, 1 fp16, 2 float32. Each output is one dot product summed in a fixed order (vector
@@ -38,7 +39,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
     uint16_t *xb = (uint16_t *)(x2 + tc * gx);
     const int64_t rows = item_rows(n, threads);
     const int64_t items = (n + rows - 1) / rows;
-    const int64_t cb = (k + bk - 1) / bk;   /* fp8: column blocks of a row block's scales */
+    /* fp8: column blocks of a row block's scales (row scales: none, see fp8_rows) */
+    const int64_t cb = bk ? (k + bk - 1) / bk : 0;
     int64_t next = 0;                       /* work items taken (a shared counter) */
     int failed = 0, team = 0;               /* fp8: threads without scratch, of the team */
 
@@ -89,11 +91,13 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                         i4x_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, wfmt, res);
                     else
                         dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, t0 == 0, res);
-                    for (int q = 0; q < nr; q++)
+                    for (int q = 0; q < nr; q++) {
+                        const float sc = wfmt == FT_E4M3 ? fp8_sum_scale(scales, bk, r + q) : 1.f;
                         for (int t = 0; t < nt; t++)
                             store_as(out, (t0 + t) * n + r + q,
-                                     round_to(res[q * MAXT + t] + (bias ? bias[r + q] : 0.f), ofmt),
-                                     ofmt);
+                                     round_to(res[q * MAXT + t] * sc + (bias ? bias[r + q] : 0.f),
+                                              ofmt), ofmt);
+                    }
                     r += nr;
                 }
             }

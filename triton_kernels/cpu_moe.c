@@ -17,7 +17,8 @@
  *   5 int4 [.., K/2] bytes), rows [0, I) of w13 the gate and [I, 2I) the up; fp8: s13
  *   [S, ceil(2I/bn), ceil(D/bk)] and s2 [S, ceil(D/bn), ceil(I/bk)] f32, the scale of each
  *   (bn, bk) block (x is scaled per block instead of the weights: a row block's x once for
- *   its rows); int4: s13 [S, 2I, D/G, 2] and s2 [S, D, I/G, 2] f32, each row's (scale,
+ *   its rows), or with (bn, bk) (1, 0) s13 [S, 2I] and s2 [S, D], each row's own (a
+ *   checkpoint's channel scales, applied to the row's sums); int4: s13 [S, 2I, D/G, 2] and s2 [S, D, I/G, 2] f32, each row's (scale,
  *   -zero * scale) per group of G = bk columns (a power of two from 32), or (fmt 5) s13
  *   [S, 2I, D/G] and s2 [S, D, I/G] bf16 scales, zero point 8; else NULL;
  *   b13 [S, 2I] and b2 [S, D] f32 or NULL;
@@ -43,9 +44,10 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
            const float *b13, const float *b2, int64_t slots, int64_t d, int64_t width,
            int fmt, int kind, float alpha, float limit, int threads, float *act, float *acc,
            void *out, int ofmt) {
-    /* fp8: the scales of row block rb and column block cb of an expert's w13 and w2. */
-    const int64_t rb13 = (2 * width + bn - 1) / bn, cb13 = (d + bk - 1) / bk;
-    const int64_t rb2 = (d + bn - 1) / bn, cb2 = (width + bk - 1) / bk;
+    /* fp8: the scales of row block rb and column block cb of an expert's w13 and w2 (row
+     * scales, bk 0: one a row, see fp8_rows) */
+    const int64_t rb13 = (2 * width + bn - 1) / bn, cb13 = bk ? (d + bk - 1) / bk : 1;
+    const int64_t rb2 = (d + bn - 1) / bn, cb2 = bk ? (width + bk - 1) / bk : 1;
     /* int4: the group's log2 (bk = G) */
     const int gshift = is_int4(fmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
     if (is_int4(fmt) && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
@@ -182,6 +184,11 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         else
                             dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, t0 == 0,
                                  res[i - i0]);
+                        if (fmt == FT_E4M3 && !bk)          /* row scales: on the sums */
+                            for (int r = 0; r < nr; r++)
+                                for (int t = 0; t < nt; t++)
+                                    res[i - i0 + r][t] *= fp8_sum_scale(
+                                        (const float *)s13 + s * 2 * width, bk, row + r);
                         i += nr;
                     }
                 }
@@ -246,7 +253,10 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         for (int q = 0; q < nr; q++)
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];
-                                float h = res[q * MAXT + t] + (b2 ? b2[s * d + r + q] : 0.f);
+                                float h = res[q * MAXT + t]
+                                          * (fmt == FT_E4M3 ? fp8_sum_scale((const float *)s2 + s * d,
+                                                                            bk, r + q) : 1.f)
+                                          + (b2 ? b2[s * d + r + q] : 0.f);
                                 acc[(p / k_count) * d + r + q] += wts[p] * h;
                             }
                         r += nr;

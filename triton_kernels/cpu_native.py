@@ -189,7 +189,8 @@ class NativeKernels:
         int4 nibbles [.., K/2] uint8 with their group scales; contiguous, on the CPU) ->
         [T, D] in out_dtype (bf16, fp16 or float32: summed in float32, rounded once), on
         torch's thread count. fp8: scales (s13 [S, ceil(2I/bn), ceil(D/bk)], s2 [S,
-        ceil(D/bn), ceil(I/bk)]) float32, block (bn, bk). int4: scales (s13 [S, 2I, D/G, 2],
+        ceil(D/bn), ceil(I/bk)]) float32, block (bn, bk) (or for (1, 0) row scales [S, 2I]
+        and [S, D]: fp8_scales_shape). int4: scales (s13 [S, 2I, D/G, 2],
         s2 [S, D, I/G, 2]) float32, each group's (scale, -zero * scale) (NativeInt4Bank),
         block (1, G), G a power of two from 32 dividing D and I."""
         return self.bind_moe(w13, w2, scales, block, b13, b2)(
@@ -214,10 +215,10 @@ class NativeKernels:
         if fp8 or int4:
             s13, s2 = scales if scales is not None else (None, None)
             if fp8:
-                want13 = (slots, -(-2 * width // bn), -(-d // bk))
-                want2 = (slots, -(-d // bn), -(-width // bk))
-                ok = all(_scales_fit(t, want, torch.float32) for t, want in
-                         ((s13, want13), (s2, want2)))
+                want13 = (slots, *(fp8_scales_shape(2 * width, d, block) or (0,)))
+                want2 = (slots, *(fp8_scales_shape(d, width, block) or (0,)))
+                ok = fp8_scales_shape(d, width, block) is not None and all(
+                    _scales_fit(t, want, torch.float32) for t, want in ((s13, want13), (s2, want2)))
             else:
                 want13 = (slots, 2 * width, d // max(bk, 1))
                 want2 = (slots, d, width // max(bk, 1))
@@ -300,7 +301,8 @@ class NativeKernels:
         """x [T, K] (bf16, fp16 or float32) @ weight [N, K]^T + bias ([N] float32 or None)
         -> [T, N] in x's dtype, summed in float32 and rounded once, on torch's thread count.
         weight (contiguous): bf16 or fp16; fp8 e4m3 with its float32 block scales
-        [ceil(N/bn), ceil(K/bk)] for block (bn, bk); or int4 nibbles [N, K/2] uint8 (element
+        [ceil(N/bn), ceil(K/bk)] for block (bn, bk) (or for (1, 0) row scales [N]:
+        fp8_scales_shape); or int4 nibbles [N, K/2] uint8 (element
         2j low) with scales [N, K/G, 2] float32, each group's (scale, -zero * scale), block
         (1, G), G a power of two from 32 dividing K."""
         return self.bind_linear(weight, bias, scales, block)(x)
@@ -314,7 +316,8 @@ class NativeKernels:
         bn, bk = block
         wfmt = _WEIGHT_FORMATS.get(weight.dtype)
         if fp8:
-            scaled = _scales_fit(scales, (-(-n // bn), -(-k // bk)), torch.float32)
+            want = fp8_scales_shape(n, k, block)
+            scaled = want is not None and _scales_fit(scales, want, torch.float32)
         elif int4:
             wfmt = _int4_format(scales, (n, k // max(bk, 1)))
             scaled = wfmt is not None
@@ -325,7 +328,8 @@ class NativeKernels:
                 and (not (fp8 or int4) or scaled)
                 and (not int4 or (bn == 1 and bk >= 32 and bk & (bk - 1) == 0 and k % bk == 0))):
             raise ValueError(f"native linear: a contiguous 16-bit weight [N, K] (or fp8 with "
-                             f"float32 block scales [ceil(N/bn), ceil(K/bk)], or int4 with group "
+                             f"float32 block scales [ceil(N/bn), ceil(K/bk)] or, block (1, 0), "
+                             f"row scales [N], or int4 with group "
                              f"scales [N, K/G] bf16 or [N, K/G, 2] float32) on the CPU (bias [N] "
                              f"float32) expected, got "
                              f"weight {tuple(weight.shape)} {weight.dtype}, scales "
@@ -893,7 +897,7 @@ class NativeBank:
 
 class NativeFp8Bank:
     """A bank of fp8 experts [E, N, K] (e4m3, block scales [E, ceil(N/bn), ceil(K/bk)]
-    float32) that the native kernel computes from the checkpoint's bytes as they are: 1 byte
+    float32, or block (1, 0) a checkpoint's channel scales [E, N]) that the native kernel computes from the checkpoint's bytes as they are: 1 byte
     a weight read. Each weight is widened in registers (cpu_dot.h's load_e4m3; on AVX2
     load_e4m3_f8l's byte tables) and x is scaled per block, so a batch-1 layer costs ~0.65x a
     bf16 bank's (2-core Xeon, 64 experts, D 1024, I 256, cold: 0.39 ms against 0.59; 2-core
@@ -914,10 +918,11 @@ class NativeFp8Bank:
         experts, n, k = q.shape
         bn, bk = block
         if not (E4M3 is not None and q.dtype == E4M3 and q.device.type == "cpu"
-                and s.dtype == torch.float32
-                and tuple(s.shape) == (experts, -(-n // bn), -(-k // bk))):
+                and s.dtype == torch.float32 and fp8_scales_shape(n, k, block) is not None
+                and tuple(s.shape) == (experts, *fp8_scales_shape(n, k, block))):
             raise ValueError(f"NativeFp8Bank: e4m3 [E, N, K] and float32 scales [E, ceil(N/bn), "
-                             f"ceil(K/bk)] on the CPU expected, got {tuple(q.shape)} {q.dtype} "
+                             f"ceil(K/bk)] (block (1, 0): a row's own, [E, N]) on the CPU "
+                             f"expected, got {tuple(q.shape)} {q.dtype} "
                              f"and {tuple(s.shape)} {s.dtype} for block {block}")
         if prefill is not None and not (prefill.gemm and (prefill.experts, prefill.n,
                                                           prefill.k) == (experts, n, k)):
@@ -928,6 +933,17 @@ class NativeFp8Bank:
         self.experts, self.n, self.k = experts, n, k
         self.checkpoint_bytes = self.q.numel() + self.s.numel() * 4
         self.nbytes = self.checkpoint_bytes + (prefill.nbytes if prefill is not None else 0)
+
+
+def fp8_scales_shape(n: int, k: int, block: tuple[int, int]) -> tuple[int, ...] | None:
+    """The float32 scales the native kernels take for an fp8 weight [N, K] in blocks (bn, bk):
+    [ceil(N/bn), ceil(K/bk)], each block's; for (1, 0), a checkpoint's channel scales, [N]:
+    each row's own, applied to the row's sums (x is not rescaled at every row). None: no
+    such block."""
+    bn, bk = block
+    if (bn, bk) == (1, 0):
+        return (n,)
+    return (-(-n // bn), -(-k // bk)) if bn > 0 and bk > 0 else None
 
 
 def _scales_fit(t, shape, dtype) -> bool:

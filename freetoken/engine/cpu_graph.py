@@ -143,8 +143,7 @@ class CpuDecodeGraph:
         elif isinstance(packed, (tk.Int4Linear, tk.CpuLinear)):
             # torch's int4 GEMM (where the native GEMV does not beat it at one row: AVX-512),
             # or a decoded weight only FBGEMM holds (no AMX: a fused q/k/v whose fp8 blocks
-            # straddle two projections, fp8 with channel scales, fp4): a Python step, as the
-            # modules run it
+            # straddle two projections, fp4): a Python step, as the modules run it
             self.program.python(lambda t: out[:t].copy_(packed(x[:t])), what)
         else:
             raise NotCovered(f"{what} has no packed CPU product")

@@ -131,11 +131,18 @@ class QuantExpertLayout(ExpertLayout):
         float32); the int4 GEMM's and the decoded forms are new tensors."""
         return self._fp8_native(bank) is not None or self._int4_native(bank) is not None
 
+    @property
+    def fp8_block(self) -> tuple[int, int]:
+        """The native kernels' block for this fp8 format: its own (bn, bk), or for channel
+        scales (1, 0), a scale a row applied to its sums (cpu_native.fp8_scales_shape)."""
+        return (1, 0) if self.fmt.kind == "fp8_channel" else self.fmt.block
+
     def _fp8_native(self, bank: dict) -> tk.NativeKernels | None:
-        """The native kernel, where it computes this bank from its fp8 bytes: fp8_block
-        experts of a 16-bit model, on the CPU."""
+        """The native kernel, where it computes this bank from its fp8 bytes: fp8_block or
+        fp8_channel experts of a 16-bit model, on the CPU."""
         kernel = tk.native_kernels()
-        if kernel is None or self.fmt.kind != "fp8_block" or self.dtype == torch.float32:
+        if (kernel is None or self.fmt.kind not in ("fp8_block", "fp8_channel")
+                or self.dtype == torch.float32):
             return None
         w = [self.weights(bank, which) for which in ("w13", "w2")]
         if not all(isinstance(t, dict) and set(t) == {"q", "s"} and t["q"].device.type == "cpu"
@@ -153,12 +160,13 @@ class QuantExpertLayout(ExpertLayout):
         - INT4 in bf16 otherwise (no native kernel): for torch's CPU int4 GEMM (triton_kernels/int4_cpu.py: about the
           checkpoint's bytes, 1.8x torch's bf16 product at 1 row and 3-12x the tile decode):
           {"w13": Int4Packed, "w2": .., biases};
-        - fp8_block in a 16-bit model: the checkpoint's bytes as they are, for the native
+        - fp8_block and fp8_channel (per-tensor FP8 experts are kept as it) in a 16-bit
+          model: the checkpoint's bytes as they are, for the native
           kernel (cpu_native.NativeFp8Bank: 1 byte a weight read, 0.65x a bf16 bank's time
           for a batch-1 layer, 3-9x faster than the tile decode), {"w13": NativeFp8Bank,
           "w2": .., biases}; on a CPU with AMX-BF16 in a bf16 model, with spare_bytes for
           2 bytes a weight, also a bf16 copy for prefill chunks (AMX's products);
-        - the other formats torch's CPU has no GEMM for (fp8_channel, mxfp4, nvfp4, INT4 the
+        - the other formats torch's CPU has no GEMM for (mxfp4, nvfp4, INT4 the
           int4 GEMM refuses), in a 16-bit model, where spare_bytes (host RAM the caller can
           give) hold 2 bytes a weight: each expert decoded once, for the native kernel, in
           bfloat16 in a bf16 model on an AMX CPU, else in float16
@@ -198,7 +206,7 @@ class QuantExpertLayout(ExpertLayout):
                 (experts,), n, k = shapes[which]
                 prefill = (tk.NativeBank.decoded((experts, n, k), decoder(w), kernel, amx=True)
                            if room and amx else None)
-                packed[which] = tk.NativeFp8Bank(w["q"], w["s"], self.fmt.block, kernel,
+                packed[which] = tk.NativeFp8Bank(w["q"], w["s"], self.fp8_block, kernel,
                                                  prefill=prefill)
             return packed | {name: t.float() for name, t in biases.items()}
         if not room:                    # 2 bytes a weight do not fit: the tile decode

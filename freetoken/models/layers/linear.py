@@ -174,14 +174,15 @@ class QuantLinear(nn.Module):
     def cpu_rows(self) -> tk.QuantRows | None:
         """The checkpoint's bytes as the native GEMV reads them (decode rows: 1 byte a weight
         for fp8, half for int4, instead of a copy's 2), where it can: in a 16-bit model,
-        with the native kernels built, fp8 with block scales (per-tensor: one block) and
-        int4 in groups of a power of two from 32 (cpu_native.int4_scales: a symmetric
+        with the native kernels built, fp8 with block scales, or channel or tensor ones (as
+        row scales: block (1, 0)), and int4 in groups of a power of two from 32 (cpu_native.int4_scales: a symmetric
         weight's bf16 scales as they are, else float32 (scale, -zero * scale) pairs)."""
         if tk.native_kernels() is None or self.dtype == torch.float32:
             return None
         q, g = self.q.detach(), self.fmt.group
-        if self.fmt.kind == "fp8_tensor":
-            return tk.QuantRows(q, self.s.float().reshape(1, 1).contiguous(), tuple(q.shape))
+        if self.fmt.kind in ("fp8_tensor", "fp8_channel"):
+            # a scale a row, applied to its sums (a tensor's repeated: projections fuse)
+            return tk.QuantRows(q, self.s.float().expand(q.shape[0]).contiguous(), (1, 0))
         if self.fmt.kind == "fp8_block":
             return tk.QuantRows(q, self.s.float().contiguous(), self.fmt.block)
         if (self.fmt.kind == "int4" and g >= 32 and g & (g - 1) == 0
