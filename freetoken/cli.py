@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enforce-eager", action="store_true",
                    help="a CPU engine runs its layers' modules at every decode step instead of "
                         "replaying them as one native program")
+    s.add_argument("--lm-head-dtype", choices=("auto", "fp8"), default="auto",
+                   help="a CPU engine's output layer: auto (as the checkpoint has it) or fp8 "
+                        "(e4m3 with a scale a row: half a 16-bit head's bytes a decode step; "
+                        "lossy)")
     s.add_argument("--cpu-threads", type=_positive_int, metavar="N",
                    help="torch CPU threads (default: all cores but one)")
     s.add_argument("--api-key", help="require this key (also FREETOKEN_API_KEY; the flag wins)")
@@ -220,7 +224,8 @@ def serve(args) -> int:
                               max_model_len=args.max_seq_len_override,
                               kv_cache_tokens=args.kv_cache_tokens, moe=_moe_config(args),
                               max_state_slots=args.max_state_slots,
-                              enforce_eager=args.enforce_eager)
+                              enforce_eager=args.enforce_eager,
+                              lm_head_dtype=args.lm_head_dtype)
         scheduler = SchedulerConfig(max_prefill_length=args.max_prefill_length,
                                     max_step_time_s=args.max_step_time_ms / 1e3 or None,
                                     max_running_requests=args.max_running_requests,

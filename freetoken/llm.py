@@ -86,7 +86,8 @@ class LLM:
                  pin_budget_gb: float | None = None, kv_reserve_tokens: int = 8192,
                  moe_prefetch: str | bool = "auto", moe_lfu_decay: float = 0.9,
                  moe_trace: str | None = None, enable_prefix_caching: bool = True,
-                 max_state_slots: int | None = None, enforce_eager: bool = False):
+                 max_state_slots: int | None = None, enforce_eager: bool = False,
+                 lm_head_dtype: str = "auto"):
         # moe_*: where the experts live and run (see freetoken.moe.config.MoeConfig).
         from freetoken.demo.builtin import DEMO_NAME, demo_model_path
         if model == DEMO_NAME:            # the demo's served name, as `ft serve` with no model serves it
@@ -97,6 +98,7 @@ class LLM:
         # models' per-request state slots (None: from memory); max_running_requests is capped to it.
         # enforce_eager: a CPU engine runs the modules at every decode step, not its native
         # program (engine/cpu_graph.py; vLLM's name for going without CUDA graphs).
+        # lm_head_dtype: "fp8" reads a CPU engine's output layer as fp8 (EngineConfig).
         f = from_flag_text
         moe = MoeConfig(backend=moe_backend, cache_size=f("moe_cache_size", moe_cache_size),
                         cache_rate=f("moe_cache_rate", moe_cache_rate),
@@ -112,7 +114,7 @@ class LLM:
             model=model, device=device, dtype=dtype, max_model_len=f("max_model_len", max_model_len),
             kv_cache_tokens=f("kv_cache_tokens", kv_cache_tokens), block_size=block_size,
             max_state_slots=f("max_state_slots", max_state_slots),
-            enforce_eager=f("enforce_eager", enforce_eager),
+            enforce_eager=f("enforce_eager", enforce_eager), lm_head_dtype=lm_head_dtype,
             skip_tokenizer_init=skip_tokenizer_init, kernel_backend=kernel_backend, moe=moe)
         self.runner = ModelRunner(self.engine_config)
         self.tokenizer = None

@@ -112,6 +112,8 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
       in a bf16 model where both run (bf16's rounding, the tile decode's), else float16
       packed for FBGEMM alone (11 bits from 2^-14 up); quant: its quantized bytes for the
       native GEMV's rows (the copy then serves the GEMMs' only).
+    - bf16 or fp16 with quant: a decoded copy (own_weight) whose quantized bytes the native
+      GEMV reads for decode rows, as above.
     The weight stays where a product reads it."""
     if weight.device.type != "cpu" or weight.dim() != 2 or not weight.numel():
         return None
@@ -129,4 +131,5 @@ def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     needs_fbgemm = not (kernel is not None and amx and weight.dtype == torch.bfloat16)
     if needs_fbgemm and not packable(weight):
         return None
-    return CpuLinear(weight, bias, kernel=kernel, amx=amx, own_weight=own_weight)
+    return CpuLinear(weight, bias, kernel=kernel, amx=amx, own_weight=own_weight,
+                     quant=quant if kernel is not None else None)

@@ -7,6 +7,9 @@ import dataclasses
 from freetoken.moe.config import MoeConfig
 
 
+LM_HEAD_DTYPES = ("auto", "fp8")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -26,6 +29,10 @@ class EngineConfig:
     # A CPU engine replays its decode steps as one native program (engine/cpu_graph.py, a
     # CUDA graph's role); True runs the modules every step (vLLM's name).
     enforce_eager: bool = False
+    # A CPU engine's output layer: "auto" as the checkpoint has it; "fp8" read as e4m3 with a
+    # scale a row (Linear.pack_cpu_fp8: half a 16-bit head's bytes at every decode step,
+    # llama.cpp's quantized types' habit; lossy, so opt-in).
+    lm_head_dtype: str = "auto"
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -40,5 +47,11 @@ class EngineConfig:
             raise ValueError("max_state_slots must be positive")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ValueError(f"lm_head_dtype must be one of {', '.join(LM_HEAD_DTYPES)}, got "
+                             f"{self.lm_head_dtype!r}")
+        if self.lm_head_dtype != "auto" and self.device != "cpu":
+            raise ValueError(f"lm_head_dtype {self.lm_head_dtype} is for the CPU engine "
+                             f"(device cpu), got device {self.device}")
         if not isinstance(self.moe, MoeConfig):
             raise ValueError(f"moe must be a MoeConfig, got {type(self.moe).__name__}")

@@ -25,7 +25,7 @@ from freetoken.engine.cache_spec import bytes_per_slot, bytes_per_token
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.loader import (checkpoint_files, init_model, load_weights, materialize,
                                      resolve_model_path)
-from freetoken.models.layers.linear import pack_for_cpu
+from freetoken.models.layers.linear import Linear, pack_for_cpu
 from freetoken.models.quant.apply import describe_parts
 from freetoken.moe.plan import DeviceMemory, MoePlan, MoeShape, plan_moe
 from freetoken.moe.runtime import MoeRuntime
@@ -88,6 +88,13 @@ class ModelRunner:
             if packed:
                 log.info("CPU: projections packed for the CPU's 16-bit or INT4 GEMM (%.1f MiB "
                          "beside their weights)", packed / 2**20)
+            if config.lm_head_dtype == "fp8":
+                if not isinstance(self.model.lm_head, Linear):
+                    raise ValueError(f"lm_head_dtype fp8: this checkpoint's lm_head is stored "
+                                     f"quantized already ({type(self.model.lm_head).__name__})")
+                packed = self.model.lm_head.pack_cpu_fp8()
+                log.info("CPU: lm_head read as fp8 with a scale a row (%.1f MiB)",
+                         packed / 2**20)
             if self.expert_store is None:       # resident experts: the CPU computes them all
                 packed = sum(b.experts.pack_cpu(split=self.cpu_split,
                                                 spare_bytes=self._spare_host_bytes())

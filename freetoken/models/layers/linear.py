@@ -46,6 +46,40 @@ class Linear(nn.Linear):
         self.packed = tk.cpu_linear(dense, self.bias)
         return 0 if self.packed is None else self.packed.nbytes
 
+    def pack_cpu_fp8(self, chunk_rows: int = 4096) -> int:
+        """pack_cpu for a weight read as fp8 (an opt-in output layer: EngineConfig's
+        lm_head_dtype): the 16-bit weight rounded to e4m3 with a float32 scale a row (max |w|
+        / 448; channel scales, applied to each row's sums), which the native GEMV reads for
+        decode rows, 1 byte a weight instead of 2, and every other product reads decoded (a
+        16-bit copy: the same weight at every row count). Lossy: e4m3 keeps 4 significant
+        bits of a weight. Done a chunk of rows at a time (no float32 copy of the whole
+        weight: DeepSeek-V3's head is 0.9 G weights). Returns the bytes it added (the fp8
+        rows, their scales and the copy; the module's weight stays, tied embeddings read it).
+        Raises where this CPU has no native GEMV or the model is not 16-bit."""
+        from freetoken.models.quant.quantize import quantize_weight
+        w = self.cpu_dense()
+        if w is None or tk.native_kernels() is None:
+            raise ValueError("an fp8 output layer needs a 16-bit model and the native CPU "
+                             "kernels (a C compiler)")
+        n, k = w.shape
+        # the copy: bf16 where AMX's GEMM takes a bf16 model's rows, else float16 (11 bits
+        # of q * s; a weight beyond float16's range keeps bf16, for the native GEMV alone)
+        amx = tk.has_amx_bf16() and w.dtype == torch.bfloat16
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        s = torch.empty(n, dtype=torch.float32)
+        copy = torch.empty(n, k, dtype=torch.bfloat16 if amx else torch.float16)
+        fmt = QuantFormat("fp8_channel")
+        for r0 in range(0, n, chunk_rows):
+            part = quantize_weight(fmt, w[r0:r0 + chunk_rows])
+            q[r0:r0 + chunk_rows], s[r0:r0 + chunk_rows] = part["q"], part["s"]
+            copy[r0:r0 + chunk_rows] = part["q"].float() * part["s"][:, None]
+        rows = tk.QuantRows(q, s, (1, 0), own=True)
+        self.packed = tk.cpu_linear(copy, self.bias, own_weight=True, quant=rows)
+        if self.packed is None or self.packed.quant is None:    # (beyond float16's range)
+            raise ValueError("an fp8 output layer: its decoded copy is beyond float16's range "
+                             "and this CPU has no AMX-BF16 GEMM for a bf16 one")
+        return self.packed.nbytes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
