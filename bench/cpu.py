@@ -9,7 +9,7 @@ machine's DRAM read ceiling, in one run.
     python bench/cpu.py --quant int4 --llama-quant q4_0,q4_0+head  # q4_0, and with a bf16 head
     python bench/cpu.py --unpacked                        # + FreeToken without CPU packing
     python bench/cpu.py --eager                           # + FreeToken without its decode program
-    python bench/cpu.py --quant fp8 --fp8-head            # + each arm with its lm_head read as fp8
+    python bench/cpu.py --quant fp8 --lm-head-dtype int8  # + each arm with its lm_head in int8
     python bench/cpu.py --depth 16384                     # + batch 1 after a 16k-token prompt
     python bench/cpu.py --family qwen3_next               # the same shape, Qwen3-Next's layers
 
@@ -305,9 +305,9 @@ def main(argv=None) -> int:
     p.add_argument("--eager", action="store_true", help="add FreeToken arms with enforce_eager "
                    "(the modules at every decode step, not the native decode program): one "
                    "beside each arm")
-    p.add_argument("--fp8-head", action="store_true", help="add FreeToken arms with "
-                   "lm_head_dtype='fp8' (the output layer read as e4m3 with a scale a row, as "
-                   "llama.cpp's q8_0 quantizes it): '-fp8head' beside each arm, its quantized "
+    p.add_argument("--lm-head-dtype", choices=("int8",), help="add FreeToken arms with "
+                   "this lm_head_dtype (the output layer read in 8 bits with a scale a row, as "
+                   "llama.cpp's q8_0 quantizes it): '-int8head' beside each arm, the quantized "
                    "ones paired with llama.cpp's nearest type's default")
     p.add_argument("--depth", type=int, default=0, help="also decode at batch 1 after a prompt "
                    "of this many tokens (decode_b1_dN: a long context's attention; each "
@@ -333,14 +333,15 @@ def main(argv=None) -> int:
         actives = {"freetoken": active}
         totals = {"freetoken": total}
         arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"], depth=args.depth)]
-        # lm_head in fp8: its 2-byte weights read as 1 byte and a float32 scale a row
+        # lm_head in 8 bits: its 2-byte weights read as 1 byte and a float32 scale a row
         head = shape["hidden_size"] * shape["vocab_size"]
-        fp8_head = head * (2 if args.dtype != "float32" else 4) - head - 4 * shape["vocab_size"]
-        if args.fp8_head:
+        saved = head * (2 if args.dtype != "float32" else 4) - head - 4 * shape["vocab_size"]
+        kind = args.lm_head_dtype
+        if kind:
             arms.append(FreeTokenArm(model_dir, args.dtype, shape["vocab_size"],
-                                     name="freetoken-fp8head", lm_head_dtype="fp8",
+                                     name=f"freetoken-{kind}head", lm_head_dtype=kind,
                                      depth=args.depth))
-            actives["freetoken-fp8head"] = active - fp8_head
+            actives[f"freetoken-{kind}head"] = active - saved
         if args.unpacked:
             arms.append(unpacked_arm(model_dir, args.dtype, shape["vocab_size"], depth=args.depth))
             actives["freetoken-unpacked"] = active
@@ -357,11 +358,11 @@ def main(argv=None) -> int:
                 qdir, args.dtype)
             arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"], name=f"freetoken-{q}",
                                      depth=args.depth))
-            if args.fp8_head:
+            if kind:
                 arms.append(FreeTokenArm(qdir, args.dtype, shape["vocab_size"],
-                                         name=f"freetoken-{q}-fp8head", lm_head_dtype="fp8",
+                                         name=f"freetoken-{q}-{kind}head", lm_head_dtype=kind,
                                          depth=args.depth))
-                actives[f"freetoken-{q}-fp8head"] = actives[f"freetoken-{q}"] - fp8_head
+                actives[f"freetoken-{q}-{kind}head"] = actives[f"freetoken-{q}"] - saved
             if args.unpacked:
                 arms.append(unpacked_arm(qdir, args.dtype, shape["vocab_size"],
                                          name=f"freetoken-{q}-unpacked", depth=args.depth))
@@ -451,8 +452,9 @@ def main(argv=None) -> int:
     pairs += [(f"freetoken-{q}", f"llama.cpp-{NEAREST_GGUF[q]}{head}") for q in quants
               for head in ("", "+head") if q in NEAREST_GGUF and f"freetoken-{q}" in res
               and f"llama.cpp-{NEAREST_GGUF[q]}{head}" in res]
-    pairs += [(f"freetoken-{q}-fp8head", f"llama.cpp-{NEAREST_GGUF[q]}") for q in quants
-              if q in NEAREST_GGUF and f"freetoken-{q}-fp8head" in res
+    pairs += [(f"freetoken-{q}-{args.lm_head_dtype}head", f"llama.cpp-{NEAREST_GGUF[q]}")
+              for q in quants if q in NEAREST_GGUF
+              and f"freetoken-{q}-{args.lm_head_dtype}head" in res
               and f"llama.cpp-{NEAREST_GGUF[q]}" in res]
     pairs += [(f"freetoken-{q}", f"freetoken-{q}-eager") for q in quants
               if f"freetoken-{q}-eager" in res]

@@ -55,10 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--enforce-eager", action="store_true",
                    help="a CPU engine runs its layers' modules at every decode step instead of "
                         "replaying them as one native program")
-    s.add_argument("--lm-head-dtype", choices=("auto", "fp8"), default="auto",
-                   help="a CPU engine's output layer: auto (as the checkpoint has it) or fp8 "
-                        "(e4m3 with a scale a row: half a 16-bit head's bytes a decode step; "
-                        "lossy)")
+    s.add_argument("--lm-head-dtype", choices=("auto", "int8"), default="auto",
+                   help="a CPU engine's output layer: auto (as the checkpoint has it) or int8 "
+                        "(a scale a row: half a 16-bit head's bytes a decode step; lossy)")
     s.add_argument("--cpu-threads", type=_positive_int, metavar="N",
                    help="torch CPU threads (default: all cores but one)")
     s.add_argument("--api-key", help="require this key (also FREETOKEN_API_KEY; the flag wins)")

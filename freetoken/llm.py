@@ -98,7 +98,7 @@ class LLM:
         # models' per-request state slots (None: from memory); max_running_requests is capped to it.
         # enforce_eager: a CPU engine runs the modules at every decode step, not its native
         # program (engine/cpu_graph.py; vLLM's name for going without CUDA graphs).
-        # lm_head_dtype: "fp8" reads a CPU engine's output layer as fp8 (EngineConfig).
+        # lm_head_dtype: "int8" reads a CPU engine's output layer in 8 bits (EngineConfig).
         f = from_flag_text
         moe = MoeConfig(backend=moe_backend, cache_size=f("moe_cache_size", moe_cache_size),
                         cache_rate=f("moe_cache_rate", moe_cache_rate),

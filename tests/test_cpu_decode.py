@@ -89,6 +89,34 @@ def test_native_fp8_linear_matches_the_decoded_weight_in_float64(n, k, bn, bk, x
         kernel.linear(x, q[0], b)
 
 
+@pytest.mark.parametrize("n,k", [(37, 100), (300, 256)])
+@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float32])
+def test_native_int8_linear_matches_the_decoded_weight_in_float64(n, k, xdtype, threads):
+    # int8 rows (every code, -128 too) with a float32 scale a row on their sums, against
+    # float64; the same bits on 1-3 threads; tokens as the fp8 test's; scales of another
+    # shape or block refused.
+    for t in (1, 3, 4, 6, 9):
+        x, w, b = case(t, t, n, k, torch.float32, xdtype)
+        g = torch.Generator().manual_seed(t)
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        q[0, :256 if k >= 256 else k] = torch.arange(-128, 128, dtype=torch.int8)[:min(k, 256)]
+        s = torch.rand(n, generator=g) * 0.01 + 1e-4
+        outs = []
+        for nthreads in (1, 2, 3):
+            threads(nthreads)
+            outs.append(kernel.linear(x, q, b, scales=s, block=(1, 0)))
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+        deq = q.double() * s.double()[:, None]
+        want = F.linear(x.double(), deq, b.double())
+        ulp = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -22}[xdtype]
+        bound = want.abs() * ulp + (x.double().abs() @ deq.abs().T) * 2.0 ** -20
+        assert ((outs[0].double() - want).abs() <= bound).all(), t
+    with pytest.raises(ValueError, match="row scales"):
+        kernel.linear(x, q, b, scales=s[:-1], block=(1, 0))
+    with pytest.raises(ValueError, match="row scales"):
+        kernel.linear(x, q, b, scales=s[:, None], block=(1, k))
+
+
 def test_native_fp8_linear_decodes_every_e4m3_code_in_every_lane(threads):
     # Each of the 254 e4m3 codes that are numbers (0x7f and 0xff are nan) at each position of
     # a 32-byte block (the AVX2 build decodes blocks through byte tables: one pair for normal

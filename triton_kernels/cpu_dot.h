@@ -3,9 +3,10 @@
  * their dot products with float32 activations, a tile of rows by tokens at a time.
  *
  * Weight formats (fmt): 0 bf16, 1 fp16, 3 fp8 e4m3 (the raw bytes; their block scales are
- * the caller's: it scales x), 4 and 5 int4 (unsigned nibbles, element 2i low and 2i + 1
- * high, with per-row group scales gs: 4 float32 (scale, -zero * scale) pairs, 5 one bf16
- * scale a group, zero point 8: a symmetric checkpoint's own scales, a quarter of the bytes).
+ * the caller's: it scales x, or a row's sums), 4 and 5 int4 (unsigned nibbles, element 2i low
+ * and 2i + 1 high, with per-row group scales gs: 4 float32 (scale, -zero * scale) pairs, 5 one
+ * bf16 scale a group, zero point 8: a symmetric checkpoint's own scales, a quarter of the
+ * bytes), 6 int8 (signed bytes; a row's scale is the caller's, on its sums).
  * VW: float32 lanes of a vector (16 with AVX-512).
  */
 #ifndef FT_CPU_DOT_H
@@ -40,8 +41,11 @@ typedef uint8_t vu8 __attribute__((vector_size(VW)));
 #define FT_E4M3 3
 #define FT_INT4 4
 #define FT_INT4S 5
+#define FT_INT8 6
 
 static inline int is_int4(int fmt) { return fmt == FT_INT4 || fmt == FT_INT4S; }
+/* Bytes a weight of a format of whole bytes (not int4) takes. */
+static inline int byte_fmt(int fmt) { return fmt == FT_E4M3 || fmt == FT_INT8; }
 
 /* Group g's (s, m) of an int4 row's scales (W = q * s + m). */
 static inline __attribute__((always_inline)) void int4_sm(const void *gs, int64_t g, int fmt,
@@ -191,6 +195,25 @@ static inline float scalar_e4m3(uint8_t b) {
     return (float)v * (256.f / E4M3_UNIT);    /* float16's places hold 1/256 of it */
 }
 
+/* VW int8 weights widened to float32 (a sign-extend and a convert; on AVX2 8 bytes into a
+ * ymm: vpmovsxbd from memory, vcvtdq2ps). */
+static inline __attribute__((always_inline)) vf load_int8(const int8_t *p) {
+    vf f;
+#if VW == 16
+    __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&f, &v, sizeof f);
+#elif defined(__AVX2__)
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    memcpy(&f, &v, sizeof f);
+#else
+    typedef int8_t vi8 __attribute__((vector_size(VW)));
+    vi8 b;
+    memcpy(&b, p, sizeof b);
+    f = __builtin_convertvector(b, vf);
+#endif
+    return f;
+}
+
 /* 2 * VW int4 weights (VW bytes: element 2i in byte i's low nibble, 2i + 1 in its high one)
  * of one group, decoded exactly as the reference does, W = (q - z) * s, as q * s + m with
  * m = -z * s (the pair the caller keeps per group: gs): lo the even elements, hi the odd
@@ -227,7 +250,7 @@ static inline float scalar_int4(const uint8_t *row, int64_t j, const void *gs, i
 
 /* Row `row` of a weight of rows of k elements in fmt. */
 static inline const void *row_at(const void *base, int64_t row, int64_t k, int fmt) {
-    return (const char *)base + (is_int4(fmt) ? row * k / 2 : row * k * (fmt == FT_E4M3 ? 1 : 2));
+    return (const char *)base + (is_int4(fmt) ? row * k / 2 : row * k * (byte_fmt(fmt) ? 1 : 2));
 }
 
 /* Whether fmt's rows meet x in an order of their own (paired_index). */
@@ -398,7 +421,7 @@ tile_block(const void *const *w, const float *gsc, const float *gm, const float 
     #pragma GCC unroll 4
     for (int r = 0; r < NR; r++) {
         vf lo, hi;
-        __builtin_prefetch((const char *)w[r] + (is_int4(fmt) ? j / 2 : j * (fmt == FT_E4M3 ? 1 : 2)) + PF_BYTES, 0, 1);
+        __builtin_prefetch((const char *)w[r] + (is_int4(fmt) ? j / 2 : j * (byte_fmt(fmt) ? 1 : 2)) + PF_BYTES, 0, 1);
         if (fmt == 0) {
             vu32 lanes;
             memcpy(&lanes, (const uint16_t *)w[r] + j, sizeof lanes);
@@ -411,6 +434,9 @@ tile_block(const void *const *w, const float *gsc, const float *gm, const float 
 #endif
         } else if (is_int4(fmt)) {
             load_int4((const uint8_t *)w[r] + j / 2, gsc[r], gm[r], &lo, &hi);
+        } else if (fmt == FT_INT8) {
+            lo = load_int8((const int8_t *)w[r] + j);
+            hi = load_int8((const int8_t *)w[r] + j + VW);
         } else {
             lo = load_w((const uint16_t *)w[r] + j, 1);
             hi = load_w((const uint16_t *)w[r] + j + VW, 1);
@@ -512,6 +538,7 @@ dot_tile(const void *const *w, const void *const *gs, const int gshift, const fl
             for (int q = j; q < k; q++)
                 s += (fmt == FT_E4M3 ? scalar_e4m3(((const uint8_t *)w[r])[q])
                       : is_int4(fmt) ? scalar_int4((const uint8_t *)w[r], q, gs[r], gshift, fmt)
+                      : fmt == FT_INT8 ? (float)((const int8_t *)w[r])[q]
                                        : scalar_w((const uint16_t *)w[r] + q, fmt)) * x[t][q];
             res[r * MAXT + t] = s;
         }
@@ -527,6 +554,7 @@ static inline void row_dots(const void *const *w, const void *const *gs, int gsh
         else if (fmt == 1) dot_tile(w, gs, gshift, x, k, 1, T, 1, res);         \
         else if (fmt == FT_E4M3) dot_tile(w, gs, gshift, x, k, 1, T, FT_E4M3, res); \
         else if (fmt == FT_INT4) dot_tile(w, gs, gshift, x, k, 1, T, FT_INT4, res); \
+        else if (fmt == FT_INT8) dot_tile(w, gs, gshift, x, k, 1, T, FT_INT8, res); \
         else dot_tile(w, gs, gshift, x, k, 1, T, FT_INT4S, res);                \
         return;                                                                 \
     }
@@ -577,6 +605,7 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
         else if (fmt == 1) dot_tile(w, gs, gshift, x, k, MAXR, T, 1, res);      \
         else if (fmt == FT_E4M3) dot_tile(w, gs, gshift, x, k, MAXR, T, FT_E4M3, res); \
         else if (fmt == FT_INT4) dot_tile(w, gs, gshift, x, k, MAXR, T, FT_INT4, res); \
+        else if (fmt == FT_INT8) dot_tile(w, gs, gshift, x, k, MAXR, T, FT_INT8, res); \
         else dot_tile(w, gs, gshift, x, k, MAXR, T, FT_INT4S, res);             \
         return;                                                                 \
     }
@@ -1003,7 +1032,7 @@ static inline void widen_rows(const void *x, int xfmt, int64_t t_count, int64_t 
  * cb] of this expert), rescaled into xsc [MAXT, k] when the block changes (*block: the
  * block xv holds). Returns the tile's rows.
  * Row scales (bk 0, bn 1: a checkpoint's channel scales, one a row) are not applied to x,
- * which would be rescaled at every row, but to each row's sum (fp8_sum_scale): the tile
+ * which would be rescaled at every row, but to each row's sum (row_scale): the tile
  * meets xv = xs as it is. */
 static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t *block,
                            const float *const *xs, const float **xv, int nt, float *xsc,
@@ -1022,11 +1051,11 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
     return nr;
 }
 
-/* What row `row`'s sum of an fp8 weight is multiplied by: with row scales (bk 0) its scale
- * (scales [rows], load_e4m3's weights being 1/E4M3_UNIT of theirs), else 1 (fp8_rows scaled
- * x). */
-static inline float fp8_sum_scale(const float *scales, int64_t bk, int64_t row) {
-    return bk ? 1.f : scales[row] * E4M3_UNIT;
+/* What row `row`'s sum of a weight in fmt is multiplied by: an fp8 one's with row scales
+ * (bk 0) and an int8 one's, its scale (scales [rows]; load_e4m3's weights are 1/E4M3_UNIT of
+ * theirs); else 1 (fp8_rows scaled x; the other formats carry their own). */
+static inline float row_scale(int fmt, const float *scales, int64_t bk, int64_t row) {
+    return fmt == FT_INT8 ? scales[row] : fmt == FT_E4M3 && !bk ? scales[row] * E4M3_UNIT : 1.f;
 }
 
 /* Weight rows a call takes where n tokens meet them: MAXR (dots runs them one after

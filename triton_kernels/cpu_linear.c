@@ -10,7 +10,8 @@
  *
  * Formats: w 0 bf16, 1 fp16, 3 fp8 e4m3 (scales [ceil(N/bn), ceil(K/bk)] f32, the scale of
  * each (bn, bk) block, applied to x per row block as cpu_moe.c does; or (bn, bk) (1, 0):
- * scales [N], a row's own, applied to its sum), 4 and 5 int4 ([N, K/2]
+ * scales [N], a row's own, applied to its sum), 6 int8 (scales [N], (bn, bk) (1, 0): the
+ * same), 4 and 5 int4 ([N, K/2]
  * nibbles; scales [N, K/G, 2] f32, each group's (scale, -zero * scale), or 5: [N, K/G] bf16,
  * zero point 8; G = bk a power of two from 2 * VW dividing K); else scales NULL; x and out
  * 0 bf16, 1 fp16, 2 float32. Each output is one dot product summed in a fixed order (vector
@@ -92,7 +93,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     else
                         dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, t0 == 0, res);
                     for (int q = 0; q < nr; q++) {
-                        const float sc = wfmt == FT_E4M3 ? fp8_sum_scale(scales, bk, r + q) : 1.f;
+                        const float sc = row_scale(wfmt, scales, bk, r + q);
                         for (int t = 0; t < nt; t++)
                             store_as(out, (t0 + t) * n + r + q,
                                      round_to(res[q * MAXT + t] * sc + (bias ? bias[r + q] : 0.f),

@@ -37,7 +37,8 @@ GEMM_ROWS = 8       # from here, with AMX and a bf16 weight: torch's bf16 produc
 @dataclass(frozen=True)
 class QuantRows:
     """A weight's quantized form for the native GEMV (NativeKernels.linear): fp8, q [N, K]
-    e4m3 with s [ceil(N/bn), ceil(K/bk)] float32 block scales, block (bn, bk); or int4,
+    e4m3 with s [ceil(N/bn), ceil(K/bk)] float32 block scales, block (bn, bk), or s [N] a
+    row's own, block (1, 0); int8, q [N, K] with s [N], block (1, 0); or int4,
     q [N, K/2] nibbles with s its cpu_native.int4_scales ([N, K/G] bf16, a symmetric
     weight's own, or [N, K/G, 2] float32 (scale, -zero * scale) pairs), block (1, G). own:
     made for the product (a fused copy: its bytes count in CpuLinear.nbytes), else a

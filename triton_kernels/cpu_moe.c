@@ -187,8 +187,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         if (fmt == FT_E4M3 && !bk)          /* row scales: on the sums */
                             for (int r = 0; r < nr; r++)
                                 for (int t = 0; t < nt; t++)
-                                    res[i - i0 + r][t] *= fp8_sum_scale(
-                                        (const float *)s13 + s * 2 * width, bk, row + r);
+                                    res[i - i0 + r][t] *= row_scale(
+                                        fmt, (const float *)s13 + s * 2 * width, bk, row + r);
                         i += nr;
                     }
                 }
@@ -254,8 +254,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];
                                 float h = res[q * MAXT + t]
-                                          * (fmt == FT_E4M3 ? fp8_sum_scale((const float *)s2 + s * d,
-                                                                            bk, r + q) : 1.f)
+                                          * (fmt == FT_E4M3 ? row_scale(fmt, (const float *)s2 + s * d,
+                                                                        bk, r + q) : 1.f)
                                           + (b2 ? b2[s * d + r + q] : 0.f);
                                 acc[(p / k_count) * d + r + q] += wts[p] * h;
                             }

@@ -58,7 +58,8 @@ _HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h", "cpu_heads.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
-_WEIGHT_FORMATS = {**_FORMATS, E4M3: 3, torch.uint8: 4}   # cpu_dot.h's FT_E4M3, FT_INT4
+_WEIGHT_FORMATS = {**_FORMATS, E4M3: 3, torch.uint8: 4,   # cpu_dot.h's FT_E4M3, FT_INT4,
+                   torch.int8: 6}                         # FT_INT8
 INT4_BF16_SCALES = 5                                      # cpu_dot.h's FT_INT4S
 E4M3_FORMAT = _WEIGHT_FORMATS[E4M3] if E4M3 is not None else None
 _IO_FORMATS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -302,7 +303,7 @@ class NativeKernels:
         -> [T, N] in x's dtype, summed in float32 and rounded once, on torch's thread count.
         weight (contiguous): bf16 or fp16; fp8 e4m3 with its float32 block scales
         [ceil(N/bn), ceil(K/bk)] for block (bn, bk) (or for (1, 0) row scales [N]:
-        fp8_scales_shape); or int4 nibbles [N, K/2] uint8 (element
+        fp8_scales_shape); int8 with row scales [N] float32, block (1, 0); or int4 nibbles [N, K/2] uint8 (element
         2j low) with scales [N, K/G, 2] float32, each group's (scale, -zero * scale), block
         (1, G), G a power of two from 32 dividing K."""
         return self.bind_linear(weight, bias, scales, block)(x)
@@ -312,29 +313,32 @@ class NativeKernels:
                     block: tuple[int, int] = (128, 128)) -> LinearCall:
         """linear's weight checked and held once: the returned call takes x."""
         fp8, int4 = weight.dtype == E4M3, weight.dtype == torch.uint8
+        int8 = weight.dtype == torch.int8
         n, k = weight.shape[0], weight.shape[-1] * (2 if int4 else 1)
         bn, bk = block
         wfmt = _WEIGHT_FORMATS.get(weight.dtype)
-        if fp8:
-            want = fp8_scales_shape(n, k, block)
-            scaled = want is not None and _scales_fit(scales, want, torch.float32)
+        if fp8 or int8:     # (int8: row scales only)
+            want = fp8_scales_shape(n, k, block if fp8 else (1, 0))
+            scaled = (want is not None and _scales_fit(scales, want, torch.float32)
+                      and (fp8 or tuple(block) == (1, 0)))
         elif int4:
             wfmt = _int4_format(scales, (n, k // max(bk, 1)))
             scaled = wfmt is not None
-        if not ((self.handles(weight.dtype) or fp8 or int4) and weight.is_contiguous()
+        if not ((self.handles(weight.dtype) or fp8 or int4 or int8) and weight.is_contiguous()
                 and weight.dim() == 2 and weight.device.type == "cpu"
                 and (bias is None or (bias.dtype == torch.float32 and bias.shape == (n,)
                                       and bias.is_contiguous()))
-                and (not (fp8 or int4) or scaled)
+                and (not (fp8 or int4 or int8) or scaled)
                 and (not int4 or (bn == 1 and bk >= 32 and bk & (bk - 1) == 0 and k % bk == 0))):
             raise ValueError(f"native linear: a contiguous 16-bit weight [N, K] (or fp8 with "
                              f"float32 block scales [ceil(N/bn), ceil(K/bk)] or, block (1, 0), "
-                             f"row scales [N], or int4 with group "
+                             f"row scales [N], or int8 with row scales [N] for block "
+                             f"(1, 0), or int4 with group "
                              f"scales [N, K/G] bf16 or [N, K/G, 2] float32) on the CPU (bias [N] "
                              f"float32) expected, got "
                              f"weight {tuple(weight.shape)} {weight.dtype}, scales "
                              f"{None if scales is None else tuple(scales.shape)}, block {block}")
-        quant = fp8 or int4
+        quant = fp8 or int4 or int8
         return LinearCall(self._linear, weight, wfmt, scales if quant else None,
                           block if quant else (1, 1), bias, n, k)
 

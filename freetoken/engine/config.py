@@ -7,7 +7,7 @@ import dataclasses
 from freetoken.moe.config import MoeConfig
 
 
-LM_HEAD_DTYPES = ("auto", "fp8")
+LM_HEAD_DTYPES = ("auto", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +29,9 @@ class EngineConfig:
     # A CPU engine replays its decode steps as one native program (engine/cpu_graph.py, a
     # CUDA graph's role); True runs the modules every step (vLLM's name).
     enforce_eager: bool = False
-    # A CPU engine's output layer: "auto" as the checkpoint has it; "fp8" read as e4m3 with a
-    # scale a row (Linear.pack_cpu_fp8: half a 16-bit head's bytes at every decode step,
-    # llama.cpp's quantized types' habit; lossy, so opt-in).
+    # A CPU engine's output layer: "auto" as the checkpoint has it; "int8" read in 8 bits
+    # with a scale a row (Linear.pack_cpu_int8: half a 16-bit head's bytes at every decode
+    # step, as llama.cpp's q8_0 makes it; lossy, so opt-in).
     lm_head_dtype: str = "auto"
 
     def __post_init__(self):

@@ -88,12 +88,14 @@ class ModelRunner:
             if packed:
                 log.info("CPU: projections packed for the CPU's 16-bit or INT4 GEMM (%.1f MiB "
                          "beside their weights)", packed / 2**20)
-            if config.lm_head_dtype == "fp8":
+            if config.lm_head_dtype != "auto":
+                kind = config.lm_head_dtype
                 if not isinstance(self.model.lm_head, Linear):
-                    raise ValueError(f"lm_head_dtype fp8: this checkpoint's lm_head is stored "
-                                     f"quantized already ({type(self.model.lm_head).__name__})")
-                packed = self.model.lm_head.pack_cpu_fp8()
-                log.info("CPU: lm_head read as fp8 with a scale a row (%.1f MiB)",
+                    raise ValueError(f"lm_head_dtype {kind}: this checkpoint's lm_head is "
+                                     f"stored quantized already "
+                                     f"({type(self.model.lm_head).__name__})")
+                packed = self.model.lm_head.pack_cpu_int8()
+                log.info("CPU: lm_head read as %s with a scale a row (%.1f MiB)", kind,
                          packed / 2**20)
             if self.expert_store is None:       # resident experts: the CPU computes them all
                 packed = sum(b.experts.pack_cpu(split=self.cpu_split,
