@@ -316,6 +316,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the report as JSON here")
     args = p.parse_args(argv)
     tokens = args.decode_tokens or (8 if args.quick else 32)
+    if args.lm_head_dtype and args.dtype == "float32":
+        p.error("--lm-head-dtype is a 16-bit model's (the engine refuses it in float32)")
     shape = SHAPES["quick" if args.quick else "qwen3-moe-1.4g"]
     torch.set_num_threads(args.threads)
     from freetoken.demo.tiny_model import make_tiny_model
@@ -335,7 +337,7 @@ def main(argv=None) -> int:
         arms = [FreeTokenArm(model_dir, args.dtype, shape["vocab_size"], depth=args.depth)]
         # lm_head in 8 bits: its 2-byte weights read as 1 byte and a float32 scale a row
         head = shape["hidden_size"] * shape["vocab_size"]
-        saved = head * (2 if args.dtype != "float32" else 4) - head - 4 * shape["vocab_size"]
+        saved = head * 2 - head - 4 * shape["vocab_size"]
         kind = args.lm_head_dtype
         if kind:
             arms.append(FreeTokenArm(model_dir, args.dtype, shape["vocab_size"],

@@ -201,11 +201,16 @@ def test_native_fp8_banks_through_fused_moe(threads):
     s13, s2 = s13[..., 0].contiguous(), s2[..., 0].contiguous()
     b13, b2 = (tk.NativeFp8Bank(q, s, (1, 0), kernel) for q, s in ((q13, s13), (q2, s2)))
     assert b13.nbytes == q13.numel() + s13.numel() * 4
-    out = on_1_to_3_threads(threads, lambda: tk.fused_moe(
-        c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"]))
-    want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
-                               c["slot_map"])
-    assert rel(out, want) < 1e-2
+    for t in (7, 48):       # (48: 8 rows an expert and more, a prefill chunk's: AMX declines)
+        c = biased_experts(seed=t, t=t, d=64, i=32)
+        out = on_1_to_3_threads(threads, lambda: tk.fused_moe(
+            c["x"], b13, b2, c["weights"], c["ids"], c["slot_map"]))
+        want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
+                                   c["slot_map"])
+        assert rel(out, want) < 1e-2, t
+    with pytest.raises(ValueError, match=r"fp8 blocks .* got \(2, 0\)"):
+        kernel.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"], scales=(s13, s2),
+                   block=(2, 0))
     with pytest.raises(ValueError, match="NativeFp8Bank"):
         tk.NativeFp8Bank(q13, s13, (2, 0), kernel)
 

@@ -44,7 +44,7 @@ typedef uint8_t vu8 __attribute__((vector_size(VW)));
 #define FT_INT8 6
 
 static inline int is_int4(int fmt) { return fmt == FT_INT4 || fmt == FT_INT4S; }
-/* Bytes a weight of a format of whole bytes (not int4) takes. */
+/* Whether fmt's weights are one byte each (else 2, or int4's half). */
 static inline int byte_fmt(int fmt) { return fmt == FT_E4M3 || fmt == FT_INT8; }
 
 /* Group g's (s, m) of an int4 row's scales (W = q * s + m). */

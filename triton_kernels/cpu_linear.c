@@ -24,7 +24,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
               const void *scales, int64_t bn, int64_t bk,
               const float *bias, int64_t n, int64_t k, void *out, int ofmt, int threads) {
     const int gshift = is_int4(wfmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
-    if (is_int4(wfmt) && (bk < 2 * VW || (bk & (bk - 1)) || k % bk))
+    if ((is_int4(wfmt) && (bk < 2 * VW || (bk & (bk - 1)) || k % bk))
+        || (byte_fmt(wfmt) && !scales) || (wfmt == FT_INT8 && (bn != 1 || bk)))
         return -3;
     /* x widened to float32 (wide), then each row in the weight format's order (paired_index);
      * int4 in a prepared form where the CPU has one instead (cpu_dot.h's i4x: xb, x2). */
@@ -48,8 +49,9 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
 #pragma omp parallel num_threads(threads)
     {
         /* fp8: this thread's x scaled by a row block's column scales (fp8_rows). */
-        float *xsc = wfmt == FT_E4M3 ? malloc(MAXT * k * sizeof *xsc) : NULL;
-        if (wfmt == FT_E4M3 && !xsc)
+        const int scaled_x = wfmt == FT_E4M3 && bk;
+        float *xsc = scaled_x ? malloc(MAXT * k * sizeof *xsc) : NULL;
+        if (scaled_x && !xsc)
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
@@ -57,8 +59,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
         /* item = `rows` weight rows, for every token, tile_rows of them at a time */
         for (;;) {
             /* a thread without its scratch takes no items (the others take them all) */
-            int64_t item = (wfmt == FT_E4M3 && !xsc) ? items
-                                                      : __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            int64_t item = (scaled_x && !xsc) ? items
+                                              : __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
             if (item >= items)
                 break;
             int64_t r0 = item * rows, r1 = r0 + rows < n ? r0 + rows : n;

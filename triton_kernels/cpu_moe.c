@@ -14,13 +14,13 @@
  *   x [T, D] in xfmt (0 bf16, 1 fp16, 2 f32), ids [T, k] i64 (expert ids; slot_map [n_map]
  *   i64 maps them to slots, or NULL),
  *   wts [T, k] f32, w13 [S, 2I, D] and w2 [S, D, I] (fmt: 0 bf16, 1 fp16, 3 fp8 e4m3, 4 and
- *   5 int4 [.., K/2] bytes), rows [0, I) of w13 the gate and [I, 2I) the up; fp8: s13
- *   [S, ceil(2I/bn), ceil(D/bk)] and s2 [S, ceil(D/bn), ceil(I/bk)] f32, the scale of each
- *   (bn, bk) block (x is scaled per block instead of the weights: a row block's x once for
- *   its rows), or with (bn, bk) (1, 0) s13 [S, 2I] and s2 [S, D], each row's own (a
- *   checkpoint's channel scales, applied to the row's sums); int4: s13 [S, 2I, D/G, 2] and s2 [S, D, I/G, 2] f32, each row's (scale,
- *   -zero * scale) per group of G = bk columns (a power of two from 32), or (fmt 5) s13
- *   [S, 2I, D/G] and s2 [S, D, I/G] bf16 scales, zero point 8; else NULL;
+ *   5 int4 [.., K/2] bytes), rows [0, I) of w13 the gate and [I, 2I) the up; fp8: s13 [S,
+ *   ceil(2I/bn), ceil(D/bk)] and s2 [S, ceil(D/bn), ceil(I/bk)] f32, the scale of each (bn, bk)
+ *   block (x is scaled per block instead of the weights: a row block's x once for its rows), or
+ *   with (bn, bk) (1, 0) s13 [S, 2I] and s2 [S, D], each row's own (a checkpoint's channel
+ *   scales, applied to the row's sums); int4: s13 [S, 2I, D/G, 2] and s2 [S, D, I/G, 2] f32,
+ *   each row's (scale, -zero * scale) per group of G = bk columns (a power of two from 32), or
+ *   (fmt 5) s13 [S, 2I, D/G] and s2 [S, D, I/G] bf16 scales, zero point 8; else NULL;
  *   b13 [S, 2I] and b2 [S, D] f32 or NULL;
  *   act [P, I] f32 and acc [T, D] f32 scratch; out [T, D] in ofmt (as xfmt; rounded once);
  *   threads: the team (the caller's torch thread count).
@@ -50,8 +50,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     const int64_t rb2 = (d + bn - 1) / bn, cb2 = bk ? (width + bk - 1) / bk : 1;
     /* int4: the group's log2 (bk = G) */
     const int gshift = is_int4(fmt) ? __builtin_ctzll((unsigned long long)bk) : 0;
-    if (is_int4(fmt) && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
-        return -3;
+    if ((is_int4(fmt) && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
+        || fmt == FT_INT8 || (fmt == FT_E4M3 && (!s13 || !s2)))
+        return -3;                          /* (int8: the native GEMV's alone) */
     /* int4 in a prepared form where the CPU has one (cpu_dot.h's i4x: AVX512-BF16's pair
      * products, the activations rounded to bf16 as a bf16 model's are; or AVX2's int16 ones) */
     const int i4x = is_int4(fmt) && i4x_takes(d, gshift, xfmt) && i4x_takes(width, gshift, 0);
@@ -129,10 +130,10 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
 #pragma omp parallel num_threads(threads)
     {
         /* fp8: this thread's x and activations scaled by a row block's column scales. */
-        float *xsc = fmt == FT_E4M3 ? malloc(MAXT * (d > width ? d : width) * sizeof *xsc)
-                                    : NULL;
+        const int scaled_x = fmt == FT_E4M3 && bk;     /* (row scales: on the sums) */
+        float *xsc = scaled_x ? malloc(MAXT * (d > width ? d : width) * sizeof *xsc) : NULL;
         /* A thread without it takes no items (the others take them all). */
-        const int idle = fmt == FT_E4M3 && !xsc;
+        const int idle = scaled_x && !xsc;
         if (idle)
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
@@ -253,10 +254,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         for (int q = 0; q < nr; q++)
                             for (int t = 0; t < nt; t++) {
                                 int64_t p = mine[t0 + t];
-                                float h = res[q * MAXT + t]
-                                          * (fmt == FT_E4M3 ? row_scale(fmt, (const float *)s2 + s * d,
-                                                                        bk, r + q) : 1.f)
-                                          + (b2 ? b2[s * d + r + q] : 0.f);
+                                const float sc = fmt == FT_E4M3
+                                    ? row_scale(fmt, (const float *)s2 + s * d, bk, r + q) : 1.f;
+                                float h = res[q * MAXT + t] * sc + (b2 ? b2[s * d + r + q] : 0.f);
                                 acc[(p / k_count) * d + r + q] += wts[p] * h;
                             }
                         r += nr;

@@ -216,10 +216,13 @@ class NativeKernels:
         if fp8 or int4:
             s13, s2 = scales if scales is not None else (None, None)
             if fp8:
-                want13 = (slots, *(fp8_scales_shape(2 * width, d, block) or (0,)))
-                want2 = (slots, *(fp8_scales_shape(d, width, block) or (0,)))
-                ok = fp8_scales_shape(d, width, block) is not None and all(
-                    _scales_fit(t, want, torch.float32) for t, want in ((s13, want13), (s2, want2)))
+                if fp8_scales_shape(d, width, block) is None:
+                    raise ValueError(f"native MoE: fp8 blocks (bn, bk) of positive sizes, or "
+                                     f"(1, 0) for row scales, expected, got {block}")
+                want13 = (slots, *fp8_scales_shape(2 * width, d, block))
+                want2 = (slots, *fp8_scales_shape(d, width, block))
+                ok = all(_scales_fit(t, want, torch.float32)
+                         for t, want in ((s13, want13), (s2, want2)))
             else:
                 want13 = (slots, 2 * width, d // max(bk, 1))
                 want2 = (slots, d, width // max(bk, 1))
@@ -301,11 +304,11 @@ class NativeKernels:
                block: tuple[int, int] = (128, 128)) -> torch.Tensor:
         """x [T, K] (bf16, fp16 or float32) @ weight [N, K]^T + bias ([N] float32 or None)
         -> [T, N] in x's dtype, summed in float32 and rounded once, on torch's thread count.
-        weight (contiguous): bf16 or fp16; fp8 e4m3 with its float32 block scales
-        [ceil(N/bn), ceil(K/bk)] for block (bn, bk) (or for (1, 0) row scales [N]:
-        fp8_scales_shape); int8 with row scales [N] float32, block (1, 0); or int4 nibbles [N, K/2] uint8 (element
-        2j low) with scales [N, K/G, 2] float32, each group's (scale, -zero * scale), block
-        (1, G), G a power of two from 32 dividing K."""
+        weight (contiguous): bf16 or fp16; fp8 e4m3 with its float32 block scales [ceil(N/bn),
+        ceil(K/bk)] for block (bn, bk) (or for (1, 0) row scales [N]: fp8_scales_shape); int8
+        with row scales [N] float32, block (1, 0); or int4 nibbles [N, K/2] uint8 (element 2j
+        low) with scales [N, K/G, 2] float32, each group's (scale, -zero * scale), block (1, G),
+        G a power of two from 32 dividing K."""
         return self.bind_linear(weight, bias, scales, block)(x)
 
     def bind_linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -900,19 +903,20 @@ class NativeBank:
 
 
 class NativeFp8Bank:
-    """A bank of fp8 experts [E, N, K] (e4m3, block scales [E, ceil(N/bn), ceil(K/bk)]
-    float32, or block (1, 0) a checkpoint's channel scales [E, N]) that the native kernel computes from the checkpoint's bytes as they are: 1 byte
-    a weight read. Each weight is widened in registers (cpu_dot.h's load_e4m3; on AVX2
-    load_e4m3_f8l's byte tables) and x is scaled per block, so a batch-1 layer costs ~0.65x a
-    bf16 bank's (2-core Xeon, 64 experts, D 1024, I 256, cold: 0.39 ms against 0.59; 2-core
-    EPYC 0.62-0.69x in three runs, 2 tokens 0.59-0.62x, 8 tokens 0.70-0.75x; 0.63-0.83x at
-    one token before a call took 4 rows below 4 tokens) and 3-9x less than the tile decode.
-    prefill: the same experts decoded to bf16 (NativeBank.decoded, gemm), which fused_moe
-    hands prefill chunks to, on the AMX kernel (cpu_amx.py): 2 bytes a weight beside the
-    checkpoint's, counted in nbytes; None: prefill chunks run the AMX kernel from the bytes
-    (32 rows at a time decoded as the copy holds them, the same bits: a 512-token chunk of
-    the bench layer in the copy's time, Qwen3-30B's 1.2-1.3x), where AMX runs, else the
-    native kernel."""
+    """A bank of fp8 experts [E, N, K] (e4m3, block scales [E, ceil(N/bn), ceil(K/bk)] float32,
+    or for block (1, 0) channel scales [E, N]) that the native kernel computes from the
+    checkpoint's bytes as they are: 1 byte a weight read. Each weight is widened in registers
+    (cpu_dot.h's load_e4m3; on AVX2 load_e4m3_f8l's byte tables) and x is scaled per block (or a
+    row's sums by its scale), so a batch-1 layer costs ~0.65x a bf16 bank's (2-core Xeon, 64
+    experts, D 1024, I 256, cold: 0.39 ms against 0.59; 2-core EPYC 0.62-0.69x in three runs, 2
+    tokens 0.59-0.62x, 8 tokens 0.70-0.75x; 0.63-0.83x at one token before a call took 4 rows
+    below 4 tokens) and 3-9x less than the tile decode. prefill: the same experts decoded to
+    bf16 (NativeBank.decoded, gemm), which fused_moe hands prefill chunks to, on the AMX kernel
+    (cpu_amx.py): 2 bytes a weight beside the checkpoint's, counted in nbytes; None: prefill
+    chunks run the AMX kernel from the bytes (32 rows at a time decoded as the copy holds them,
+    the same bits: a 512-token chunk of the bench layer in the copy's time, Qwen3-30B's
+    1.2-1.3x), where AMX runs and the scales are blocks, else the native kernel (row scales: its
+    decode takes blocks only)."""
 
     float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
     dtype = E4M3

@@ -31,7 +31,7 @@ class EngineConfig:
     enforce_eager: bool = False
     # A CPU engine's output layer: "auto" as the checkpoint has it; "int8" read in 8 bits
     # with a scale a row (Linear.pack_cpu_int8: half a 16-bit head's bytes at every decode
-    # step, as llama.cpp's q8_0 makes it; lossy, so opt-in).
+    # step, as llama.cpp's q8_0 makes it 8-bit, there in blocks of 32; lossy, so opt-in).
     lm_head_dtype: str = "auto"
 
     def __post_init__(self):
@@ -52,6 +52,6 @@ class EngineConfig:
                              f"{self.lm_head_dtype!r}")
         if self.lm_head_dtype != "auto" and self.device != "cpu":
             raise ValueError(f"lm_head_dtype {self.lm_head_dtype} is for the CPU engine "
-                             f"(device cpu), got device {self.device}")
+                             f"(device cpu: --device cpu), got device {self.device}")
         if not isinstance(self.moe, MoeConfig):
             raise ValueError(f"moe must be a MoeConfig, got {type(self.moe).__name__}")

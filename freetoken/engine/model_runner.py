@@ -84,19 +84,21 @@ class ModelRunner:
         # triton_kernels/cpu_split.py), handed to the expert banks it packs.
         self.cpu_split = triton_kernels.CpuSplit() if self.device.type == "cpu" else None
         if self.device.type == "cpu":
-            packed = pack_for_cpu(self.model)
-            if packed:
-                log.info("CPU: projections packed for the CPU's 16-bit or INT4 GEMM (%.1f MiB "
-                         "beside their weights)", packed / 2**20)
-            if config.lm_head_dtype != "auto":
+            keep = ()
+            if config.lm_head_dtype != "auto":      # (its own packing, not a 16-bit one too)
                 kind = config.lm_head_dtype
                 if not isinstance(self.model.lm_head, Linear):
                     raise ValueError(f"lm_head_dtype {kind}: this checkpoint's lm_head is "
                                      f"stored quantized already "
                                      f"({type(self.model.lm_head).__name__})")
                 packed = self.model.lm_head.pack_cpu_int8()
+                keep = (self.model.lm_head,)
                 log.info("CPU: lm_head read as %s with a scale a row (%.1f MiB)", kind,
                          packed / 2**20)
+            packed = pack_for_cpu(self.model, keep)
+            if packed:
+                log.info("CPU: projections packed for the CPU's 16-bit or INT4 GEMM (%.1f MiB "
+                         "beside their weights)", packed / 2**20)
             if self.expert_store is None:       # resident experts: the CPU computes them all
                 packed = sum(b.experts.pack_cpu(split=self.cpu_split,
                                                 spare_bytes=self._spare_host_bytes())

@@ -50,13 +50,14 @@ class Linear(nn.Linear):
         """pack_cpu for a weight read as int8 (an opt-in output layer: EngineConfig's
         lm_head_dtype): the 16-bit weight rounded to nearest in steps of its row's max |w| /
         127, that float32 scale applied to the row's sums. The native GEMV reads those bytes
-        for decode rows, 1 a weight instead of 2, and every other product their 16-bit decode
-        (a copy: the same weight at every row count). Lossy, so opt-in (e4m3 at the same
-        bytes and speed moved the bench model's logits 3x as far: 2.7% against 0.8%). A chunk
-        of rows at a time (no float32 copy of the whole weight: DeepSeek-V3's head is 0.9 G
-        weights). Returns the bytes added (the rows, their scales, the copy; the module's
-        weight stays: tied embeddings read it). Raises where this CPU has no native GEMV or
-        the model is not 16-bit."""
+        for decode rows, 1 a weight instead of 2, and every other product their decode (a
+        16-bit copy of q * s: the same weight at every row count, to the copy's rounding).
+        Lossy, so opt-in (e4m3 at the same bytes and speed moved the bench model's logits 3x
+        as far: 2.7% against 0.8%). Quantized a chunk of rows at a time (DeepSeek-V3's head
+        is 0.9 G weights; FBGEMM's packing of the copy still widens it whole, as it does any
+        16-bit weight's). Returns the bytes added (the rows, their scales, the copy: a byte a
+        weight more than a 16-bit head's packing; the module's weight stays, tied embeddings
+        read it). Raises where this CPU has no native GEMV or the model is not 16-bit."""
         w = self.cpu_dense()
         if w is None or tk.native_kernels() is None:
             raise ValueError("an int8 output layer needs a 16-bit model and the native CPU "
@@ -76,9 +77,9 @@ class Linear(nn.Linear):
             copy[r0:r0 + chunk_rows] = qp.float() * sp[:, None]
         self.packed = tk.cpu_linear(copy, self.bias, own_weight=True,
                                     quant=tk.QuantRows(q, s, (1, 0), own=True))
-        if self.packed is None or self.packed.quant is None:    # (beyond float16's range)
-            raise ValueError("an int8 output layer: its decoded copy is beyond float16's "
-                             "range and this CPU has no AMX-BF16 GEMM for a bf16 one")
+        if self.packed is None or self.packed.quant is None:
+            raise ValueError("an int8 output layer: no GEMM takes its decoded copy (beyond "
+                             "float16's range without AMX-BF16, or a torch without FBGEMM)")
         return self.packed.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,7 @@ class Linear(nn.Linear):
         return tk.linear(x, self.weight, self.bias)
 
 
-def pack_for_cpu(model: nn.Module) -> int:
+def pack_for_cpu(model: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
     """A model that runs on the CPU in 16 bits: every Linear and MoE router multiplies
     through triton_kernels.CpuLinear (the native GEMV below 8 rows, 2-2.5x torch's bf16
     product at one row; AMX's bf16 GEMM or FBGEMM's fp16 one from there), every QuantLinear
@@ -99,8 +100,10 @@ def pack_for_cpu(model: nn.Module) -> int:
       kv_b_proj) are left as they are.
     - A module with native calls to bind and no projections to pack together (MLA's prefill
       attention) binds them in its `bind_cpu`.
+    - Modules in `keep` were packed by the caller (an int8 lm_head: pack_cpu_int8).
     Returns the bytes added."""
     skip = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "matrix_only", ())}
+    skip |= {id(m) for m in keep}
     added = 0
     for m in model.modules():
         if hasattr(m, "bind_cpu"):
@@ -209,8 +212,9 @@ class QuantLinear(nn.Module):
     def cpu_rows(self) -> tk.QuantRows | None:
         """The checkpoint's bytes as the native GEMV reads them (decode rows: 1 byte a weight
         for fp8, half for int4, instead of a copy's 2), where it can: in a 16-bit model,
-        with the native kernels built, fp8 with block scales, or channel or tensor ones (as
-        row scales: block (1, 0)), and int4 in groups of a power of two from 32 (cpu_native.int4_scales: a symmetric
+        with the native kernels built, fp8 with block scales, or channel or tensor ones
+        (as row scales: block (1, 0)), and int4 in groups of a power of two from 32
+        (cpu_native.int4_scales: a symmetric
         weight's bf16 scales as they are, else float32 (scale, -zero * scale) pairs)."""
         if tk.native_kernels() is None or self.dtype == torch.float32:
             return None
