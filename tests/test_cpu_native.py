@@ -152,8 +152,10 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
 def test_native_fp8_moe_matches_the_decoded_reference(d, i, bn, bk, activation, threads):
     # Blocks that tile the banks, ragged ones (rows and columns of a block past the edge, and
     # blocks that a 4-row tile would straddle), row scales (block (1, 0): a checkpoint's
-    # channel scales, on each row's sums), 1 to 40 tokens; against the float32 reference
-    # on the exactly decoded weights, subnormal e4m3 codes included.
+    # channel scales, on each row's sums), 1 to 40 tokens (9 and 40: experts of more than 4
+    # tokens, whose rows AVX2 decodes once to bf16 words where K is whole 32-byte blocks,
+    # f8l_decodes); against the float32 reference on the exactly decoded weights, subnormal
+    # e4m3 codes included.
     threads(2)
     kernel = tk.native_kernels()
     for t in (1, 3, 9, 40):

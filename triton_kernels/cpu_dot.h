@@ -101,7 +101,10 @@ static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t g
 
 #if FT_F8L
 #define E4M3_UNIT 1.f
-static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p, vf f[4]) {
+/* The bf16 words of a 32-byte block: *w0 then *w1, 16 each (unpacked from the two tables'
+ * bytes, so a lane's words are its bytes 16L + {0..7} interleaved with 16L + {8..15}). */
+static inline __attribute__((always_inline)) void e4m3_f8l_words(const uint8_t *p, __m256i *w0,
+                                                                 __m256i *w1) {
     /* high byte by the high nibble, low byte by the low nibble; then, for e = 0, both by
      * the low nibble (0mmm; the sign is the byte's own): each table twice, a lane's */
 #define T16(...) __VA_ARGS__, __VA_ARGS__
@@ -127,11 +130,31 @@ static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p
         const __m256i ls = _mm256_shuffle_epi8(_mm256_load_si256((const __m256i *)tab[3]), lo);
         L = _mm256_blendv_epi8(L, ls, z);
     }
-    const __m256i w0 = _mm256_unpacklo_epi8(L, H), w1 = _mm256_unpackhi_epi8(L, H);
+    *w0 = _mm256_unpacklo_epi8(L, H);
+    *w1 = _mm256_unpackhi_epi8(L, H);
+}
+
+static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p, vf f[4]) {
+    __m256i w0, w1;
+    e4m3_f8l_words(p, &w0, &w1);
     const __m256i odd = _mm256_set1_epi32((int)0xffff0000u);
     const __m256i v[4] = {_mm256_slli_epi32(w0, 16), _mm256_and_si256(w0, odd),
                           _mm256_slli_epi32(w1, 16), _mm256_and_si256(w1, odd)};
     memcpy(f, v, sizeof v);
+}
+
+/* A row of k (a multiple of 32) e4m3 bytes as bf16 words, each 32-byte block's as
+ * e4m3_f8l_words gives them: a bf16 row in that order meets the same x (paired_index's
+ * FT_F8L order) with the same products, as 2 * VW blocks of the bf16 tile (its even words
+ * are a block's first vector, its odd ones the second). A row that many tokens pass over is
+ * decoded once into these (cpu_moe.c: f8l_decodes) instead of at every pass. */
+static inline void e4m3_f8l_row(const uint8_t *src, uint16_t *dst, int64_t k) {
+    for (int64_t j = 0; j < k; j += 32) {
+        __m256i w0, w1;
+        e4m3_f8l_words(src + j, &w0, &w1);
+        _mm256_storeu_si256((__m256i *)(dst + j), w0);
+        _mm256_storeu_si256((__m256i *)(dst + j + 16), w1);
+    }
 }
 #else
 /* Elsewhere (AVX-512; no AVX2), e4m3 weights widened to float32 at 1/E4M3_UNIT of their
@@ -147,6 +170,11 @@ static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p
  * reads as 480 (FT_F8L's too): checkpoints hold none. On AVX2, before FT_F8L: 16 bytes
  * sign-extended at once (vpmovsxbw), a shift, a mask, an extract and two converts. */
 #define E4M3_UNIT 256.f
+
+/* (FT_F8L's alone: f8l_decodes is 0 here, so nothing calls it) */
+static inline void e4m3_f8l_row(const uint8_t *src, uint16_t *dst, int64_t k) {
+    (void)src, (void)dst, (void)k;
+}
 
 static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf *lo, vf *hi) {
 #if VW == 16 && defined(__AVX512BW__)
@@ -1056,6 +1084,14 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
  * theirs); else 1 (fp8_rows scaled x; the other formats carry their own). */
 static inline float row_scale(int fmt, const float *scales, int64_t bk, int64_t row) {
     return fmt == FT_INT8 ? scales[row] : fmt == FT_E4M3 && !bk ? scales[row] * E4M3_UNIT : 1.f;
+}
+
+/* Whether fp8 rows of k that n tokens meet are decoded once to bf16 words (e4m3_f8l_row)
+ * rather than at every pass of MAXT tokens: on FT_F8L, k whole 32-byte blocks, more than one
+ * pass. Then the passes run the bf16 tile, 4 rows by MAXT tokens, FMA-bound, where the e4m3
+ * tile's decode shares the registers (two 2-row tiles) and is redone at each pass. */
+static inline int f8l_decodes(int fmt, int64_t n, int64_t k) {
+    return FT_F8L && fmt == FT_E4M3 && n > MAXT && k % 32 == 0;
 }
 
 /* Weight rows a call takes where n tokens meet them: MAXR (dots runs them one after

@@ -37,6 +37,16 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
     return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
 }
 
+/* This thread's scratch for decoded rows (f8l_decodes), allocated at its first use (one
+ * try): whether it has one. */
+static inline int f8l_scratch(uint16_t **dec, int *tried, int64_t words) {
+    if (!*tried) {
+        *tried = 1;
+        *dec = malloc(words * sizeof **dec);
+    }
+    return *dec != NULL;
+}
+
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
            const float *wts,
            int64_t t_count, int64_t k_count, const void *w13, const void *w2,
@@ -134,6 +144,14 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         float *xsc = scaled_x ? malloc(MAXT * (d > width ? d : width) * sizeof *xsc) : NULL;
         /* A thread without it takes no items (the others take them all). */
         const int idle = scaled_x && !xsc;
+        /* fp8 on FT_F8L: an item's rows of an expert with many tokens decoded once to bf16
+         * words (dec, taken at the first such item: a call without one allocates nothing),
+         * each pass then a bf16 tile on them (f8l_decodes). Without the scratch, every pass
+         * decodes (the same products). */
+        uint16_t *dec = NULL;
+        int dec_tried = 0;
+        const int64_t dec_words = 2 * up_rows * d > down_rows * width ? 2 * up_rows * d
+                                                                     : down_rows * width;
         if (idle)
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
@@ -161,6 +179,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 }
                 float g[ROWS][MAXT], u[ROWS][MAXT];
                 const int together = tile_rows(n, i4x);
+                const int decoded = f8l_decodes(fmt, n, d)
+                                    && f8l_scratch(&dec, &dec_tried, dec_words);
                 for (int half = 0; half < 2; half++) {
                     float (*res)[MAXT] = half ? u : g;
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
@@ -180,8 +200,17 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gs[r] = is_int4(fmt) ? int4_row_scales(s13, s * 2 * width + row + r,
                                                                    cb13, fmt) : NULL;
                         }
+                        if (decoded)                        /* (the first pass decodes) */
+                            for (int r = 0; r < nr; r++) {
+                                uint16_t *row_words = dec + (half * up_rows + i - i0 + r) * d;
+                                if (t0 == 0)
+                                    e4m3_f8l_row(w[r], row_words, d);
+                                w[r] = row_words;
+                            }
                         if (i4x)
                             i4x_dots(w, gs, gshift, xsb, xs2, d, nr, nt, fmt, res[i - i0]);
+                        else if (decoded)
+                            dots(w, gs, gshift, xv, (int)d, nr, nt, 0, 0, res[i - i0]);
                         else
                             dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, t0 == 0,
                                  res[i - i0]);
@@ -233,6 +262,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         hs2[t] = a2 + mine[t0 + t] * ga;
                     }
                     const int together = tile_rows(n, i4x);
+                    const int decoded = f8l_decodes(fmt, n, width)
+                                        && f8l_scratch(&dec, &dec_tried, dec_words);
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
                         int nr = tile_at(r, r1, together);
@@ -246,9 +277,18 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gs[q] = is_int4(fmt) ? int4_row_scales(s2, s * d + r + q, cb2, fmt)
                                                  : NULL;
                         }
+                        if (decoded)
+                            for (int q = 0; q < nr; q++) {
+                                uint16_t *row_words = dec + (r - r0 + q) * width;
+                                if (t0 == 0)
+                                    e4m3_f8l_row(w[q], row_words, width);
+                                w[q] = row_words;
+                            }
                         float res[MAXR * MAXT];
                         if (i4x)
                             i4x_dots(w, gs, gshift, hsb, hs2, width, nr, nt, fmt, res);
+                        else if (decoded)
+                            dots(w, gs, gshift, hv, (int)width, nr, nt, 0, 0, res);
                         else
                             dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, t0 == 0, res);
                         for (int q = 0; q < nr; q++)
@@ -268,6 +308,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     store_as(out, t * d + r, round_to(acc[t * d + r], ofmt), ofmt);
         }
         free(xsc);
+        free(dec);
     }
     free(wide);
     free(start), free(order), free(used);
