@@ -907,16 +907,17 @@ class NativeFp8Bank:
     or for block (1, 0) channel scales [E, N]) that the native kernel computes from the
     checkpoint's bytes as they are: 1 byte a weight read. Each weight is widened in registers
     (cpu_dot.h's load_e4m3; on AVX2 load_e4m3_f8l's byte tables) and x is scaled per block (or a
-    row's sums by its scale), so a batch-1 layer costs ~0.65x a bf16 bank's (2-core Xeon, 64
-    experts, D 1024, I 256, cold: 0.39 ms against 0.59; 2-core EPYC 0.62-0.69x in three runs, 2
-    tokens 0.59-0.62x, 8 tokens 0.70-0.75x; 0.63-0.83x at one token before a call took 4 rows
-    below 4 tokens) and 3-9x less than the tile decode. prefill: the same experts decoded to
-    bf16 (NativeBank.decoded, gemm), which fused_moe hands prefill chunks to, on the AMX kernel
-    (cpu_amx.py): 2 bytes a weight beside the checkpoint's, counted in nbytes; None: prefill
-    chunks run the AMX kernel from the bytes (32 rows at a time decoded as the copy holds them,
-    the same bits: a 512-token chunk of the bench layer in the copy's time, Qwen3-30B's
-    1.2-1.3x), where AMX runs and the scales are blocks, else the native kernel (row scales: its
-    decode takes blocks only)."""
+    row's sums by its scale; on AVX2 rows that more than 4 tokens meet decoded once a call to
+    bf16 words: a 512-token chunk of the bench layer 1.2x -> 1.0x bf16's time), so a batch-1
+    layer costs ~0.65x a bf16 bank's (2-core Xeon, 64 experts, D 1024, I 256, cold: 0.39 ms
+    against 0.59; 2-core EPYC 0.62-0.69x in three runs, 2 tokens 0.59-0.62x, 8 tokens
+    0.70-0.75x; 0.63-0.83x at one token before a call took 4 rows below 4 tokens) and 3-9x less
+    than the tile decode. prefill: the same experts decoded to bf16 (NativeBank.decoded, gemm),
+    which fused_moe hands prefill chunks to, on the AMX kernel (cpu_amx.py): 2 bytes a weight
+    beside the checkpoint's, counted in nbytes; None: prefill chunks run the AMX kernel from the
+    bytes (32 rows at a time decoded as the copy holds them, the same bits: a 512-token chunk of
+    the bench layer in the copy's time, Qwen3-30B's 1.2-1.3x), where AMX runs and the scales are
+    blocks, else the native kernel (row scales: its decode takes blocks only)."""
 
     float32 = True          # fused_moe hands it the float32 products' path (no rounding between)
     dtype = E4M3
