@@ -1094,6 +1094,16 @@ static inline int f8l_decodes(int fmt, int64_t n, int64_t k) {
     return FT_F8L && fmt == FT_E4M3 && n > MAXT && k % 32 == 0;
 }
 
+/* A thread's scratch for decoded rows (f8l_decodes), allocated at its first use (one try):
+ * whether it has one. */
+static inline int f8l_scratch(uint16_t **dec, int *tried, int64_t words) {
+    if (!*tried) {
+        *tried = 1;
+        *dec = malloc(words * sizeof **dec);
+    }
+    return *dec != NULL;
+}
+
 /* Weight rows a call takes where n tokens meet them: MAXR (dots runs them one after
  * another on the first pass: its `cold`), but for prepared int4 (i4x's form) on AVX-512
  * (i4b) one below MAXT: a tile's rows side by side are MAXR streams, and i4b's tiles are not

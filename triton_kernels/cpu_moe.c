@@ -37,16 +37,6 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
     return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
 }
 
-/* This thread's scratch for decoded rows (f8l_decodes), allocated at its first use (one
- * try): whether it has one. */
-static inline int f8l_scratch(uint16_t **dec, int *tried, int64_t words) {
-    if (!*tried) {
-        *tried = 1;
-        *dec = malloc(words * sizeof **dec);
-    }
-    return *dec != NULL;
-}
-
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
            const float *wts,
            int64_t t_count, int64_t k_count, const void *w13, const void *w2,
