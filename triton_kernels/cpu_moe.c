@@ -137,7 +137,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         /* fp8 on FT_F8L: an item's rows of an expert with many tokens decoded once to bf16
          * words (dec, taken at the first such item: a call without one allocates nothing),
          * each pass then a bf16 tile on them (f8l_decodes). Without the scratch, every pass
-         * decodes (the same products). */
+         * decodes (the same products, summed in another order of chains). */
         uint16_t *dec = NULL;
         int dec_tried = 0;
         const int64_t dec_words = 2 * up_rows * d > down_rows * width ? 2 * up_rows * d
