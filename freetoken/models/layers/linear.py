@@ -56,8 +56,8 @@ class Linear(nn.Linear):
         as far: 2.7% against 0.8%). Quantized a chunk of rows at a time (DeepSeek-V3's head
         is 0.9 G weights; FBGEMM's packing of the copy still widens it whole, as it does any
         16-bit weight's). Returns the bytes added (the rows, their scales, the copy: a byte a
-        weight more than a 16-bit head's packing; the module's weight stays, tied embeddings
-        read it). Raises where this CPU has no native GEMV or the model is not 16-bit."""
+        weight more than a 16-bit head's FBGEMM packing, three on AMX, where a 16-bit head
+        has none; the module's weight stays, tied embeddings read it). Raises where this CPU has no native GEMV or the model is not 16-bit."""
         w = self.cpu_dense()
         if w is None or tk.native_kernels() is None:
             raise ValueError("an int8 output layer needs a 16-bit model and the native CPU "
