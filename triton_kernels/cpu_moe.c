@@ -246,10 +246,13 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     int nt = n - t0 < MAXT ? (int)(n - t0) : MAXT;
                     const float *hs[MAXT], *hv[MAXT], *hs2[MAXT];
                     const uint16_t *hsb[MAXT];
+                    float *sum[MAXT], wt[MAXT];     /* each token's output row and weight */
                     for (int t = 0; t < nt; t++) {
                         hv[t] = hs[t] = act + mine[t0 + t] * width;
                         hsb[t] = actb + mine[t0 + t] * width;
                         hs2[t] = a2 + mine[t0 + t] * ga;
+                        sum[t] = acc + (mine[t0 + t] / k_count) * d;
+                        wt[t] = wts[mine[t0 + t]];
                     }
                     const int together = tile_rows(n, i4x);
                     const int decoded = f8l_decodes(fmt, n, width)
@@ -281,14 +284,16 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             dots(w, gs, gshift, hv, (int)width, nr, nt, 0, 0, res);
                         else
                             dots(w, gs, gshift, hv, (int)width, nr, nt, fmt, t0 == 0, res);
-                        for (int q = 0; q < nr; q++)
-                            for (int t = 0; t < nt; t++) {
-                                int64_t p = mine[t0 + t];
-                                const float sc = fmt == FT_E4M3
-                                    ? row_scale(fmt, (const float *)s2 + s * d, bk, r + q) : 1.f;
-                                float h = res[q * MAXT + t] * sc + (b2 ? b2[s * d + r + q] : 0.f);
-                                acc[(p / k_count) * d + r + q] += wts[p] * h;
-                            }
+                        /* (the row's scale and bias, each token's row and weight, out of the
+                         * loop: a prefill chunk's down phase spent as long here, a division
+                         * and products an element, as in its dot products) */
+                        for (int q = 0; q < nr; q++) {
+                            const float sc = fmt == FT_E4M3
+                                ? row_scale(fmt, (const float *)s2 + s * d, bk, r + q) : 1.f;
+                            const float bias = b2 ? b2[s * d + r + q] : 0.f;
+                            for (int t = 0; t < nt; t++)
+                                sum[t][r + q] += wt[t] * (res[q * MAXT + t] * sc + bias);
+                        }
                         r += nr;
                     }
                 }
