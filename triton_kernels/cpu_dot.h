@@ -1094,6 +1094,16 @@ static inline int f8l_decodes(int fmt, int64_t n, int64_t k) {
     return FT_F8L && fmt == FT_E4M3 && n > MAXT && k % 32 == 0;
 }
 
+/* A tile's nr rows w[] pointed at their decoded words in dst (a row each, k apart), decoded
+ * there on the first pass (f8l_decodes). */
+static inline void f8l_rows(const void **w, int nr, uint16_t *dst, int64_t k, int first) {
+    for (int r = 0; r < nr; r++) {
+        if (first)
+            e4m3_f8l_row(w[r], dst + r * k, k);
+        w[r] = dst + r * k;
+    }
+}
+
 /* A thread's scratch for decoded rows (f8l_decodes), allocated at its first use (one try):
  * whether it has one. */
 static inline int f8l_scratch(uint16_t **dec, int *tried, int64_t words) {

@@ -190,13 +190,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             gs[r] = is_int4(fmt) ? int4_row_scales(s13, s * 2 * width + row + r,
                                                                    cb13, fmt) : NULL;
                         }
-                        if (decoded)                        /* (the first pass decodes) */
-                            for (int r = 0; r < nr; r++) {
-                                uint16_t *row_words = dec + (half * up_rows + i - i0 + r) * d;
-                                if (t0 == 0)
-                                    e4m3_f8l_row(w[r], row_words, d);
-                                w[r] = row_words;
-                            }
+                        if (decoded)
+                            f8l_rows(w, nr, dec + (half * up_rows + i - i0) * d, d, t0 == 0);
                         if (i4x)
                             i4x_dots(w, gs, gshift, xsb, xs2, d, nr, nt, fmt, res[i - i0]);
                         else if (decoded)
@@ -271,12 +266,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                                                  : NULL;
                         }
                         if (decoded)
-                            for (int q = 0; q < nr; q++) {
-                                uint16_t *row_words = dec + (r - r0 + q) * width;
-                                if (t0 == 0)
-                                    e4m3_f8l_row(w[q], row_words, width);
-                                w[q] = row_words;
-                            }
+                            f8l_rows(w, nr, dec + (r - r0) * width, width, t0 == 0);
                         float res[MAXR * MAXT];
                         if (i4x)
                             i4x_dots(w, gs, gshift, hsb, hs2, width, nr, nt, fmt, res);
