@@ -117,14 +117,13 @@ def test_native_int8_linear_matches_the_decoded_weight_in_float64(n, k, xdtype, 
         kernel.linear(x, q, b, scales=s[:, None], block=(1, k))
 
 
-def test_native_fp8_linear_decodes_every_e4m3_code_in_every_lane(threads):
+def every_e4m3_code(kern):
     # Each of the 254 e4m3 codes that are numbers (0x7f and 0xff are nan) at each position of
-    # a 32-byte block (the AVX2 build decodes blocks through byte tables: one pair for normal
-    # codes, another for zeros and subnormals, blended in where a block holds one), in rows
-    # mixing both and rows of normal codes only, plus a tail; power-of-two block scales. x is
-    # the identity, so each output is one exact product: the decoded weight, bit for bit, and
-    # each token meets its own column (the order x is laid out in).
-    threads(2)
+    # a 32-byte block, in rows mixing zeros and subnormals with normal codes and rows of
+    # normal codes only, plus a tail; power-of-two block scales, then power-of-two row scales
+    # (block (1, 0), on the sums). x is the identity, so each output is one exact product:
+    # the decoded weight, bit for bit, and each token meets its own column (the order x is
+    # laid out in).
     codes = torch.tensor([c for c in range(256) if c & 0x7f != 0x7f], dtype=torch.uint8)
     normal = codes[(codes & 0x78) != 0]
     k = 8 * 32 + 8
@@ -134,8 +133,57 @@ def test_native_fp8_linear_decodes_every_e4m3_code_in_every_lane(threads):
     s = 2.0 ** torch.randint(-3, 4, (1, 9), generator=torch.Generator().manual_seed(0))
     want = (q.float() * s.repeat_interleave(32, 1)[:, :k]).T
     for t in (1, 3, 4, k):
-        got = kernel.linear(torch.eye(k)[:t], q, None, scales=s, block=(q.shape[0], 32))
+        got = kern.linear(torch.eye(k)[:t], q, None, scales=s, block=(q.shape[0], 32))
         assert torch.equal(got, want[:t]), t
+    rs = 2.0 ** torch.randint(-3, 4, (q.shape[0],), generator=torch.Generator().manual_seed(1))
+    want = (q.float() * rs[:, None]).T
+    for t in (1, 3, 4, k):
+        got = kern.linear(torch.eye(k)[:t], q, None, scales=rs, block=(1, 0))
+        assert torch.equal(got, want[:t]), t
+
+
+def fp8_experts_match(kern):
+    # fp8 experts (128-blocks, and row scales) at 1 to 40 tokens (more than 4: rows decoded
+    # once to words, f8l_decodes) against the float32 reference on the decoded weights.
+    for bn, bk in ((128, 128), (1, 0)):
+        for t in (1, 3, 9, 40):
+            c = biased_experts(seed=t, t=t, d=256, i=128, e=6, k=2, pool=9)
+            q13, s13, deq13 = fp8_bank(c["w13"], bn, bk or 256)
+            q2, s2, deq2 = fp8_bank(c["w2"], bn, bk or 128)
+            if not bk:
+                s13, s2 = s13[..., 0].contiguous(), s2[..., 0].contiguous()
+            got = kern.moe(c["x"], q13, q2, c["weights"], c["ids"], c["slot_map"], c["b13"],
+                           c["b2"], scales=(s13, s2), block=(bn, bk))
+            want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
+                                       c["slot_map"], b13=c["b13"].float(), b2=c["b2"].float())
+            assert (got.float() - want).norm() / want.norm() < 1e-5, (bn, t)
+
+
+def test_native_fp8_linear_decodes_every_e4m3_code_in_every_lane(threads):
+    # This build's decode (kernel.e4m3_decode: on AVX2, "shifts" moves a byte's bits into a
+    # bfloat16's places at 2^-120 of its value, zeros and subnormals as float32 denormals,
+    # and x and the sums carry the 2^120; "tables" looks both bytes up, blending zeros and
+    # subnormals in from two more tables where a block holds one).
+    threads(2)
+    every_e4m3_code(kernel)
+
+
+def test_avx2s_other_e4m3_decode_builds_and_decodes_every_code(threads, monkeypatch, tmp_path):
+    # A build that takes the shifts (AMD's AVX2 cores) compiled with -DFT_F8L_TABLES takes the
+    # tables, Intel's AVX2 decode: both are checked on this machine, each code and the experts.
+    if kernel.e4m3_decode != "shifts":
+        pytest.skip(f"this build decodes e4m3 by {kernel.e4m3_decode}: the other is not built here")
+    import ctypes
+    from triton_kernels import cpu_native
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_FLAGS", (*cpu_native._FLAGS, "-DFT_F8L_TABLES"))
+    path = cpu_native._build()
+    tables = cpu_native.NativeKernels(ctypes.CDLL(str(path)), path)
+    assert tables.e4m3_decode == "tables"
+    threads(2)
+    every_e4m3_code(tables)
+    fp8_experts_match(tables)
+    fp8_experts_match(kernel)
 
 
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True)])

@@ -71,36 +71,73 @@ static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t g
  * 1.4x; 4 and 8 KB ahead ran alike, 1 KB half the gain.) */
 #define PF_BYTES 4096
 
-/* e4m3 rows on AVX2 (FT_F8L): 32 weights decoded to bfloat16 through byte tables, so no
- * conversion instruction runs. For a normal e4m3 byte s eeee mmm (value 2^(e - 7) (1 + m/8))
- * the bfloat16 of the same value has exponent e + 120: its high byte (s and the exponent's top
- * 7 bits) is s * 128 + (e >> 1) + 60, a function of the byte's high nibble (s and e's top
- * three bits) alone, and its low byte (the exponent's last bit, 7 mantissa bits) is
- * (e & 1) * 128 + m * 16, a function of the low nibble alone: one vpshufb each. Bytes with
- * e = 0 (zero and the subnormals m 2^-9, three binades) have no such split: a block holding
- * one takes two more tables on its low nibble, blended in. That is rare in a checkpoint (|w|
- * under 2^-6 of a 448 full scale: ~1e-4 of normally distributed weights). An unpack
- * interleaves the two bytes into bfloat16 words, and a shift or a mask widens those, as bf16
- * rows are widened.
- * Why: the path below (the AVX2 form of it) takes ~8 vector ops a 16 weights, 6 of them
- * converts and shuffles, and bound an fp8 layer at half the speed bf16 streamed at on the
- * 2-core EPYC (the bench model's experts: 14.7 G weights/s on 2 threads; bf16 27.5 GB/s).
- * Here ~14 plain ops a 32. One row of 1024, one token, in L2 on one core: 11.1 -> 14.0 G
- * weights/s; with an e = 0 byte in most blocks (a worst case) 9.8. One MoE layer at one
- * token (bench/cpu_moe.py), against bf16's time in the same run, 7 interleaved pairs:
- * 0.77-1.12x (median 0.88) -> 0.63-0.83x (0.79); 2 tokens 0.71-0.90x -> 0.77-0.79x; 8
- * tokens about the same; from 64 (4-row tiles, FMA-bound) unchanged. Streamed cold, the
- * layer gains less than the rows in L2 do.
- * The vectors it gives hold, per 32-byte block, lane L's bytes 16L + 2d + {0, 1} + {0, 8}
- * (d 0..3): x meets them in that order (paired_index). The weights are their exact values. */
+/* e4m3 rows on AVX2 (FT_F8L): a 32-byte block decoded to bfloat16 words in registers, no
+ * conversion instruction, two ways (the old path below, AVX2's form of it: ~8 vector ops a
+ * 16 weights, 6 of them converts and shuffles, bound an fp8 layer at half the speed bf16
+ * streamed at on the 2-core EPYC).
+ *
+ * FT_F8L_SHIFT, where the FMAs take float32 denormals at full speed (AMD Zen: an FMA chain on
+ * all-denormal weights ran as fast as on normal ones here): each byte's bits moved into a
+ * bfloat16's places. In a 16-bit word holding the byte s eeee mmm in its high half, an
+ * arithmetic shift right by 4 leaves s on bits 15-11 and eeee mmm on 10-4; & 0x87f0 clears
+ * 14-11 and 3-0: the bfloat16 with sign s, exponent field 0000 eeee and mantissa mmm 0000,
+ * the byte's value times 2^-120 (the biases are 7 and 127) exactly, its subnormals (e = 0:
+ * m 2^-9) as float32 denormals. A word's low byte is moved up first (a shift left by 8).
+ * 5 ops give a block's 32 words (9 with the widening to float32), against 14 and a branch
+ * through the tables. The products must not be denormal too: x carries E4M3_XUNIT = 2^64
+ * (permute_row, the MoE activations) and the sums E4M3_SUM = 2^56 (row_scale), so a product
+ * is denormal only where |w x| < 2^-70. The vectors hold, per block, dword i's byte 4i + q
+ * in vector f8l_vector(q). Figures (2-core EPYC, interleaved runs): one MoE layer at one
+ * token (bench/cpu_moe.py) 0.32-0.35 -> 0.29-0.31 ms, 2 tokens 0.59-0.61 -> 0.51-0.53, 8
+ * tokens 1.84-1.91 -> 1.65-1.86; the FP8 bench model's decode step (int8 head) at batch 1
+ * 7.16-7.28 -> 6.51-6.66 ms, at batch 8 41.1-42.3 -> 37.6-38.9.
+ * (Intel's cores take a microcode assist on some denormal operands; not measured here, so
+ * they keep the tables. -DFT_F8L_TABLES takes the tables anywhere.)
+ *
+ * Else through byte tables: for a normal e4m3 byte (value 2^(e - 7) (1 + m/8)) the bfloat16
+ * of the same value has exponent e + 120: its high byte (s and the exponent's top 7 bits) is
+ * s * 128 + (e >> 1) + 60, a function of the byte's high nibble (s and e's top three bits)
+ * alone, and its low byte (the exponent's last bit, 7 mantissa bits) is (e & 1) * 128 + m *
+ * 16, a function of the low nibble alone: one vpshufb each. Bytes with e = 0 (zero and the
+ * subnormals m 2^-9, three binades) have no such split: a block holding one takes two more
+ * tables on its low nibble, blended in. That is rare in a checkpoint (|w| under 2^-6 of a
+ * 448 full scale: ~1e-4 of normally distributed weights). An unpack interleaves the two bytes
+ * into bfloat16 words: exact values. ~14 ops a 32; one row of 1024, one token, in L2 on one
+ * core: 11.1 -> 14.0 G weights/s against the old path. The vectors hold, per block, lane L's
+ * bytes 16L + 2d + {0, 1} + {0, 8} (d 0..3).
+ *
+ * x meets the vectors in their order (paired_index); the words widen to float32 as bf16 rows'
+ * do (a shift, a mask). e4m3fn's nan, 0x7f, reads as 480 (checkpoints hold none). */
 #if VW == 8 && defined(__AVX2__)
 #define FT_F8L 1
 #else
 #define FT_F8L 0
 #endif
+#if FT_F8L && !defined(FT_F8L_TABLES) \
+    && (defined(__znver1__) || defined(__znver2__) || defined(__znver3__))
+#define FT_F8L_SHIFT 1
+#else
+#define FT_F8L_SHIFT 0
+#endif
 
-#if FT_F8L
+#if FT_F8L_SHIFT
+#define E4M3_XUNIT 0x1p64f     /* x's factor (2^64 * 2^56 = 2^120, the weights' 1/unit) */
+#define E4M3_UNIT 1.f          /* scale_row's */
+#define E4M3_SUM 0x1p56f       /* the sums' (row_scale) */
+/* The bf16 words of a 32-byte block at 2^-120 of their values: *w0 the bytes 4i (even
+ * words) and 4i + 2 (odd), *w1 the bytes 4i + 1 and 4i + 3. */
+static inline __attribute__((always_inline)) void e4m3_f8l_words(const uint8_t *p, __m256i *w0,
+                                                                 __m256i *w1) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i keep = _mm256_set1_epi16((short)0x87f0);
+    *w0 = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(b, 8), 4), keep);
+    *w1 = _mm256_and_si256(_mm256_srai_epi16(b, 4), keep);
+}
+
+#elif FT_F8L
+#define E4M3_XUNIT 1.f         /* exact values */
 #define E4M3_UNIT 1.f
+#define E4M3_SUM 1.f
 /* The bf16 words of a 32-byte block: *w0 then *w1, 16 each (unpacked from the two tables'
  * bytes, so a lane's words are its bytes 16L + {0..7} interleaved with 16L + {8..15}). */
 static inline __attribute__((always_inline)) void e4m3_f8l_words(const uint8_t *p, __m256i *w0,
@@ -133,7 +170,22 @@ static inline __attribute__((always_inline)) void e4m3_f8l_words(const uint8_t *
     *w0 = _mm256_unpacklo_epi8(L, H);
     *w1 = _mm256_unpackhi_epi8(L, H);
 }
+#endif
 
+/* The byte of a 32-byte block that its vector v's element i holds (e4m3_f8l_words' order),
+ * and the place v * 8 + i of the block's byte e. */
+#if FT_F8L_SHIFT
+static inline int f8l_source(int v, int i) { return 4 * i + ((v & 1) << 1 | v >> 1); }
+static inline int f8l_place(int e) { return ((e & 1) << 1 | (e & 3) >> 1) * 8 + e / 4; }
+#else                           /* (the tables'; unused where FT_F8L is 0) */
+static inline int f8l_source(int v, int i) { return i / 4 * 16 + v / 2 * 8 + i % 4 * 2 + v % 2; }
+static inline int f8l_place(int e) {
+    return (2 * (e % 16 / 8) + (e & 1)) * 8 + e / 16 * 4 + e % 8 / 2;
+}
+#endif
+
+#if FT_F8L
+/* A block's four float32 vectors (words: even then odd of *w0, then of *w1). */
 static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p, vf f[4]) {
     __m256i w0, w1;
     e4m3_f8l_words(p, &w0, &w1);
@@ -169,7 +221,9 @@ static inline void e4m3_f8l_row(const uint8_t *src, uint16_t *dst, int64_t k) {
  * that meets one takes a microcode assist: a layer ran 5x slower.) e4m3fn's nan, 0x7f,
  * reads as 480 (FT_F8L's too): checkpoints hold none. On AVX2, before FT_F8L: 16 bytes
  * sign-extended at once (vpmovsxbw), a shift, a mask, an extract and two converts. */
+#define E4M3_XUNIT 1.f
 #define E4M3_UNIT 256.f
+#define E4M3_SUM 1.f
 
 /* (FT_F8L's alone: f8l_decodes is 0 here, so nothing calls it) */
 static inline void e4m3_f8l_row(const uint8_t *src, uint16_t *dst, int64_t k) {
@@ -215,12 +269,20 @@ static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf
 }
 #endif
 
-/* One e4m3 byte at 1/E4M3_UNIT of its value (load_e4m3's). */
+/* One e4m3 byte as the vector loads give it: FT_F8L_SHIFT's at 2^-120 of its value, else
+ * at 1/E4M3_UNIT (load_e4m3's; the tables' exact). */
 static inline float scalar_e4m3(uint8_t b) {
+#if FT_F8L_SHIFT
+    const uint32_t u = ((uint32_t)(b & 0x80u) << 24) | ((uint32_t)(b & 0x7fu) << 20);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#else
     uint16_t h = (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
     _Float16 v;
     memcpy(&v, &h, sizeof v);
     return (float)v * (256.f / E4M3_UNIT);    /* float16's places hold 1/256 of it */
+#endif
 }
 
 /* VW int8 weights widened to float32 (a sign-extend and a convert; on AVX2 8 bytes into a
@@ -398,8 +460,7 @@ static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
         int64_t block = j / 32, e = j % 32;
         if ((block + 1) * 32 > k)
             return j;
-        int64_t lane = e / 16, upper = e % 16 / 8, d = e % 8 / 2, odd = e & 1;
-        return block * 32 + (2 * upper + odd) * 8 + lane * 4 + d;
+        return block * 32 + f8l_place((int)e);
     }
     int64_t block = j / (2 * VW), r = j % (2 * VW);
     if (!paired_fmt(fmt) || (block + 1) * 2 * VW > k)
@@ -1022,11 +1083,11 @@ static inline void permute_row(const float *src, float *dst, int64_t k, int fmt)
     int64_t j = 0;
     if (FT_F8L && fmt == FT_E4M3) {     /* paired_index's, a block at a time */
         for (; j + 32 <= k; j += 32)
-            for (int v = 0; v < 4; v++)         /* 2 * upper + odd */
-                for (int p = 0; p < 8; p++)     /* lane * 4 + d */
-                    dst[j + v * 8 + p] = src[j + p / 4 * 16 + v / 2 * 8 + p % 4 * 2 + v % 2];
+            for (int v = 0; v < 4; v++)
+                for (int i = 0; i < 8; i++)
+                    dst[j + v * 8 + i] = src[j + f8l_source(v, i)] * E4M3_XUNIT;
         for (; j < k; j++)
-            dst[j] = src[j];
+            dst[j] = src[j] * E4M3_XUNIT;
         return;
     }
     for (; j + 2 * VW <= k; j += 2 * VW)
@@ -1083,7 +1144,8 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
  * (bk 0) and an int8 one's, its scale (scales [rows]; load_e4m3's weights are 1/E4M3_UNIT of
  * theirs); else 1 (fp8_rows scaled x; the other formats carry their own). */
 static inline float row_scale(int fmt, const float *scales, int64_t bk, int64_t row) {
-    return fmt == FT_INT8 ? scales[row] : fmt == FT_E4M3 && !bk ? scales[row] * E4M3_UNIT : 1.f;
+    return fmt == FT_INT8 ? scales[row]
+           : fmt == FT_E4M3 ? (bk ? 1.f : scales[row] * E4M3_UNIT) * E4M3_SUM : 1.f;
 }
 
 /* Whether fp8 rows of k that n tokens meet are decoded once to bf16 words (e4m3_f8l_row)

@@ -115,3 +115,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
  * to float32 as they are, 1 AVX512-BF16's pair products on them as they are, 2 rounded to
  * int16 per group for AVX2's (i4w). */
 int ft_int4_activations(void) { return FT_I4B ? 1 : FT_I4W ? 2 : 0; }
+
+/* How this build widens e4m3 weights (cpu_dot.h): 0 through float16 (vcvtph2ps, or the
+ * compiler's conversion), 1 AVX2's byte tables (FT_F8L), 2 AVX2's shifts (FT_F8L_SHIFT). */
+int ft_e4m3_decode(void) { return FT_F8L_SHIFT ? 2 : FT_F8L ? 1 : 0; }

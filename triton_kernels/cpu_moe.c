@@ -147,6 +147,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
 #pragma omp single nowait
         team = omp_get_num_threads();
         widen_rows(x, xfmt, t_count, d, fmt, wide, xp, gshift, i4x ? xb : NULL, x2);
+        /* the down phase's x as permute_row gives x (fp8 on FT_F8L: times 2^64) */
+        const float xunit = fmt == FT_E4M3 ? E4M3_XUNIT : 1.f;
         /* Up: item = (used expert, up_rows gate rows and their up rows). */
         for (;;) {
             int64_t item = idle ? n_used * i_blocks : __atomic_fetch_add(&next_up, 1, __ATOMIC_RELAXED);
@@ -199,7 +201,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         else
                             dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, t0 == 0,
                                  res[i - i0]);
-                        if (fmt == FT_E4M3 && !bk)          /* row scales: on the sums */
+                        if (fmt == FT_E4M3)     /* row scales, and E4M3_SUM: on the sums */
                             for (int r = 0; r < nr; r++)
                                 for (int t = 0; t < nt; t++)
                                     res[i - i0 + r][t] *= row_scale(
@@ -215,7 +217,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             ui += b13[s * 2 * width + width + i];
                         }
                         act[mine[t0 + t] * width + (i4x ? i : paired_index(i, width, fmt))] =
-                            activate(gi, ui, kind, alpha, limit);
+                            activate(gi, ui, kind, alpha, limit) * xunit;
                     }
             }
         }

@@ -112,6 +112,12 @@ class NativeKernels:
         # how int4 rows meet 16-bit activations: "float32" as they are, "bf16" pairs as they
         # are (AVX512-BF16), or "int16" (AVX2: rounded per group, cpu_dot.h's i4w)
         self.int4_activations = ("float32", "bf16", "int16")[fn()]
+        fn = lib.ft_e4m3_decode
+        fn.argtypes = []
+        fn.restype = c_int
+        # how fp8 e4m3 rows widen: "float16" (a conversion), "tables" or "shifts" (AVX2's
+        # two decodes to bf16 words, cpu_dot.h's FT_F8L)
+        self.e4m3_decode = ("float16", "tables", "shifts")[fn()]
         fn = lib.ft_attn_decode_tiles
         fn.argtypes = [c_int, c_int, i64, i64]
         fn.restype = c_int
