@@ -912,12 +912,13 @@ class NativeFp8Bank:
     """A bank of fp8 experts [E, N, K] (e4m3, block scales [E, ceil(N/bn), ceil(K/bk)] float32,
     or for block (1, 0) channel scales [E, N]) that the native kernel computes from the
     checkpoint's bytes as they are: 1 byte a weight read. Each weight is widened in registers
-    (cpu_dot.h's load_e4m3; on AVX2 load_e4m3_f8l's byte tables) and x is scaled per block (or a
-    row's sums by its scale; on AVX2 rows that more than 4 tokens meet decoded once a call to
-    bf16 words: a 512-token chunk of the bench layer 1.2x -> 1.0x bf16's time), so a batch-1
-    layer costs ~0.65x a bf16 bank's (2-core Xeon, 64 experts, D 1024, I 256, cold: 0.39 ms
-    against 0.59; 2-core EPYC 0.62-0.69x in three runs, 2 tokens 0.59-0.62x, 8 tokens
-    0.70-0.75x; 0.63-0.83x at one token before a call took 4 rows below 4 tokens) and 3-9x less
+    (cpu_dot.h's load_e4m3; on AVX2 load_e4m3_f8l's shifts on AMD, byte tables elsewhere,
+    e4m3_decode) and x is scaled per block (or a row's sums by its scale; on AVX2 rows that
+    more than 4 tokens meet decoded once a call to bf16 words: a 512-token chunk of the bench
+    layer 1.2x -> 1.0x bf16's time), so a batch-1 layer costs ~0.65x a bf16 bank's (2-core
+    Xeon, 64 experts, D 1024, I 256, cold: 0.39 ms against 0.59; 2-core EPYC with the tables
+    0.62-0.69x in three runs, 2 tokens 0.59-0.62x, 8 tokens 0.70-0.75x; with the shifts 0.29-0.31
+    ms against 0.32-0.35 with the tables, 2 tokens 0.51-0.53 against 0.59-0.61) and 3-9x less
     than the tile decode. prefill: the same experts decoded to bf16 (NativeBank.decoded, gemm),
     which fused_moe hands prefill chunks to, on the AMX kernel (cpu_amx.py): 2 bytes a weight
     beside the checkpoint's, counted in nbytes; None: prefill chunks run the AMX kernel from the
