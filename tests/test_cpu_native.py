@@ -258,13 +258,14 @@ def test_native_int4_moe_matches_the_decoded_reference(group, symmetric, scale_d
         assert rel(outs[0], want) < 1e-5, (t, rel(outs[0], want))
 
 
-@pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, False)])
+@pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, False), (32, True)])
 def test_native_int4_moe_with_bf16_activations_takes_the_pair_products(group, symmetric,
                                                                        threads):
     # bf16 x with K whole blocks of 128 (cpu_dot.h's i4b: vdpbf16ps on 128 + q, the offset
     # taken back per group): against float64 on the decoded weights with the activations
     # rounded to bf16 between the products, as the kernel (and a bf16 model) rounds them;
-    # groups of 32 to 128 (several a block, or one); 1 to 40 tokens
+    # groups of 32 to 128 (several a block, or one; symmetric rows of 4 and 8 groups); 1 to 40
+    # tokens
     # (one row at a time and 4-row tiles); the same bits on 1 to 3 threads.
     from triton_kernels.fused_moe import _activate
     kernel = tk.native_kernels()
