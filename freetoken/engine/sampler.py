@@ -48,7 +48,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | 
     # The host syncs of a step: the final tolist(), and one more only when a top-p row
     # without top-k must check that its nucleus lies within its candidates. Per-row settings
     # go to the device without a blocking copy (_rows_tensor); who samples is host-side.
-    chosen = logits.argmax(dim=-1)
+    chosen = _argmax(logits)
     draw = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if draw:
         dev = logits.device
@@ -62,6 +62,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | 
             chosen[_rows_tensor(draw, torch.int64, dev)] = sampled
     token_ids = chosen.tolist()
     return SampleResult(token_ids, _logprobs(raw, token_ids, rows))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest logit (a nan, where one is). On the CPU through numpy: torch's
+    CPU argmax took 35 us a row of 32768, numpy's 3-4 (0.6% of a 5.5 ms INT4 batch-1 step)."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1))
 
 
 def _process(logits: torch.Tensor, rows: list[SampleRow], bitmask) -> torch.Tensor:
