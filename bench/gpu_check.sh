@@ -8,6 +8,7 @@
 #   bash bench/gpu_check.sh models     # ~8 min: MLA, Gated DeltaNet and dequantizing kernels
 #                                      #   (never yet run on CUDA), their tests and benches
 #   bash bench/gpu_check.sh cpu-experts  # ~5 min: bw, the CPU's MoE products, the CPU arms
+#                                      #   (and whether its AVX2 FMAs take denormals at speed)
 #   bash bench/gpu_check.sh waves      # ~4 min: #21 part 2, cache sizes from top_k to all
 #   bash bench/gpu_check.sh session    # ~5 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
@@ -99,6 +100,9 @@ cpu-experts)
   # then the arms that use the CPU. The model is built first, not beside the CPU
   # measurements: its random weights keep every core busy (on 2026-12-04 bw and cpu_moe ran
   # beside it and read 4-5 GB/s where the engine, after it, ran the CPU experts at ~92).
+  echo "== AVX2 FMAs on float32 denormals (whether cpu_dot.h's FT_F8L_SHIFT, AMD-only, would"
+  echo "   run at its speed on this CPU's AVX2 build)"
+  timeout 20 python3 bench/fma_denormals.py 2>&1 | tee "$OUT/fma_denormals.txt"
   echo "== the offload model"
   timeout 180 python3 bench/offload.py --model /tmp/offload-model --build-only 2>&1 | tail -3
   echo "== ft bench bw"
