@@ -86,8 +86,8 @@ static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t g
  * 5 ops give a block's 32 words (9 with the widening to float32), against 14 and a branch
  * through the tables. The products must not be denormal too: x carries E4M3_XUNIT = 2^64
  * (permute_row, the MoE activations) and the sums E4M3_SUM = 2^56 (row_scale), so a product
- * is denormal only where |w x| < 2^-70. The vectors hold, per block, dword i's byte 4i + q
- * in vector f8l_vector(q). Figures (2-core EPYC, interleaved runs): one MoE layer at one
+ * is denormal only where |w x| < 2^-70. The vectors hold, per block, dword i's bytes 4i,
+ * 4i + 2, 4i + 1, 4i + 3 (f8l_source). Figures (2-core EPYC, interleaved runs): one MoE layer at one
  * token (bench/cpu_moe.py) 0.32-0.35 -> 0.29-0.31 ms, 2 tokens 0.59-0.61 -> 0.51-0.53, 8
  * tokens 1.84-1.91 -> 1.65-1.86; the FP8 bench model's decode step (int8 head) at batch 1
  * 7.16-7.28 -> 6.51-6.66 ms, at batch 8 41.1-42.3 -> 37.6-38.9.
@@ -469,7 +469,8 @@ static inline int64_t paired_index(int64_t j, int64_t k, int fmt) {
 }
 
 /* dst = x * its block's scale * E4M3_UNIT, column j's scale srow[j / bk]: an fp8 row
- * block's x (load_e4m3's weights are 1/E4M3_UNIT of theirs). */
+ * block's x (load_e4m3's weights are 1/E4M3_UNIT of theirs; FT_F8L_SHIFT's x carries its
+ * unit from permute_row). */
 static inline void scale_row(const float *x, float *dst, int64_t k, const float *srow,
                              int64_t bk) {
     if (FT_F8L && bk < k && bk % 32) {  /* a 32-block of x (paired_index) crosses blocks */
@@ -1142,7 +1143,8 @@ static inline int fp8_rows(int64_t row, int nr, int64_t bn, int64_t bk, int64_t 
 
 /* What row `row`'s sum of a weight in fmt is multiplied by: an fp8 one's with row scales
  * (bk 0) and an int8 one's, its scale (scales [rows]; load_e4m3's weights are 1/E4M3_UNIT of
- * theirs); else 1 (fp8_rows scaled x; the other formats carry their own). */
+ * theirs), and any fp8 one's by E4M3_SUM (FT_F8L_SHIFT's 2^56); else 1 (fp8_rows scaled x;
+ * the other formats carry their own). */
 static inline float row_scale(int fmt, const float *scales, int64_t bk, int64_t row) {
     return fmt == FT_INT8 ? scales[row]
            : fmt == FT_E4M3 ? (bk ? 1.f : scales[row] * E4M3_UNIT) * E4M3_SUM : 1.f;
