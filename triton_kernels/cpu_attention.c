@@ -32,6 +32,72 @@ static inline void st(void *p, int64_t i, float f, int fmt) {
     store_as(p, i, round_to(f, fmt), fmt);
 }
 
+/* Step 2's loop for one (sequence, kv head, chunk of NH q heads): the scores q.k * scale
+ * of every key (the window's) into scores [NH, n], their softmax (a sink's logit joining the
+ * denominator, denom [NH]), and h [NH, dh] = sum_j p_j v_j, unnormalized. NH a constant at
+ * each call (the heads' loops unrolled, their sums in registers: with the count at run time
+ * its loops' compares and branches were a sixth of a long context's time). */
+struct head_run {
+    const float *q;                         /* [NH, dh] float32, normed and rotated */
+    const void *k_cache, *v_cache;
+    const int32_t *table;
+    int64_t bs, hk, kv, dh;
+    int cfmt;
+    int64_t first, len;                     /* the keys: first .. len - 1 */
+    float scale;
+    const float *sinks;                     /* the chunk's [NH] or NULL */
+    float *scores, *h;
+};
+
+static inline __attribute__((always_inline)) void
+attend_heads(const struct head_run *a, const int NH, float *denom) {
+    const int64_t n = a->len - a->first, dh = a->dh;
+    for (int64_t j = a->first; j < a->len; j++) {
+        if (j + PF_KEYS < a->len)
+            prefetch_row(a->k_cache, key_row(a->table, j + PF_KEYS, a->bs, a->hk, a->kv, dh),
+                         dh, a->cfmt);
+        dots_heads(a->q, NH, a->k_cache, key_row(a->table, j, a->bs, a->hk, a->kv, dh), dh,
+                   a->cfmt, a->scale, a->scores + (j - a->first), n);
+    }
+    for (int g = 0; g < NH; g++) {
+        float *sc = a->scores + g * n;
+        float m = a->sinks ? a->sinks[g] : -INFINITY;
+        for (int64_t j = 0; j < n; j++)
+            m = sc[j] > m ? sc[j] : m;
+        float sum = a->sinks ? expf(a->sinks[g] - m) : 0.f;
+        int64_t j = 0;
+        vf vsum = {0};
+        for (; j + VW <= n; j += VW) {      /* (vexp: ~2 ulp, libm's expf below) */
+            vf e;
+            memcpy(&e, sc + j, sizeof e);
+            e = vexp(e - m);
+            memcpy(sc + j, &e, sizeof e);
+            vsum += e;
+        }
+        sum += hsum(vsum);
+        for (; j < n; j++) {
+            float pj = expf(sc[j] - m);
+            sc[j] = pj;
+            sum += pj;
+        }
+        denom[g] = sum;
+    }
+    for (int64_t i = 0; i < NH * dh; i++)
+        a->h[i] = 0.f;
+    /* the values a block of keys at a time, the heads' sums of a slice of dh in registers
+     * across the block (add_scaled_block; per key, every head's sums were loaded and stored) */
+    for (int64_t j0 = a->first; j0 < a->len; j0 += ROW_BLOCK) {
+        const int64_t nb = a->len - j0 < ROW_BLOCK ? a->len - j0 : ROW_BLOCK;
+        int64_t rows[ROW_BLOCK];
+        for (int64_t j = 0; j < nb; j++) {
+            rows[j] = key_row(a->table, j0 + j, a->bs, a->hk, a->kv, dh);
+            prefetch_row(a->v_cache, rows[j], dh, a->cfmt);
+        }
+        add_scaled_block(a->h, a->scores + (j0 - a->first), n, a->v_cache, rows, nb, dh,
+                         a->cfmt, NH);
+    }
+}
+
 #if FT_AMX
 /* Step 2 on AMX tiles, where the step is bf16 (q rounded to bf16 in step 1, a bf16 cache)
  * and the cache's blocks hold whole 16-key tiles. The scalar loop above spent ~100
@@ -341,36 +407,19 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 int64_t h0 = kv * group + item % chunks * chunk;       /* its first q head */
                 int64_t nh = h0 + chunk <= (kv + 1) * group ? chunk : (kv + 1) * group - h0;
                 int64_t len = lens[b], first = window > 0 && len > window ? len - window : 0;
-                int64_t n = len - first;
-                const float *q = q_scratch + (b * hq + h0) * dh;
-                const int32_t *table = tables + b * max_blocks;
-                for (int64_t j = first; j < len; j++) {
-                    if (j + PF_KEYS < len)
-                        prefetch_row(k_cache, key_row(table, j + PF_KEYS, bs, hk, kv, dh), dh, cfmt);
-                    dots_heads(q, nh, k_cache, key_row(table, j, bs, hk, kv, dh), dh, cfmt, scale,
-                               scores + (j - first), n);
-                }
+                struct head_run run = {q_scratch + (b * hq + h0) * dh, k_cache, v_cache,
+                                       tables + b * max_blocks, bs, hk, kv, dh, cfmt, first,
+                                       len, scale, sinks ? sinks + h0 : NULL, scores, h};
                 float denom[GMAX];
-                for (int64_t g = 0; g < nh; g++) {
-                    float *sc = scores + g * n;
-                    float m = sinks ? sinks[h0 + g] : -INFINITY;
-                    for (int64_t j = 0; j < n; j++)
-                        m = sc[j] > m ? sc[j] : m;
-                    float sum = sinks ? expf(sinks[h0 + g] - m) : 0.f;
-                    for (int64_t j = 0; j < n; j++) {
-                        float pj = expf(sc[j] - m);
-                        sc[j] = pj;
-                        sum += pj;
-                    }
-                    denom[g] = sum;
-                }
-                for (int64_t i = 0; i < nh * dh; i++)
-                    h[i] = 0.f;
-                for (int64_t j = first; j < len; j++) {
-                    if (j + PF_KEYS < len)
-                        prefetch_row(v_cache, key_row(table, j + PF_KEYS, bs, hk, kv, dh), dh, cfmt);
-                    add_scaled_heads(h, scores + (j - first), n, nh, v_cache,
-                                     key_row(table, j, bs, hk, kv, dh), dh, cfmt);
+                switch (nh) {       /* the head count a constant: its loops unrolled */
+                case 1: attend_heads(&run, 1, denom); break;
+                case 2: attend_heads(&run, 2, denom); break;
+                case 3: attend_heads(&run, 3, denom); break;
+                case 4: attend_heads(&run, 4, denom); break;
+                case 5: attend_heads(&run, 5, denom); break;
+                case 6: attend_heads(&run, 6, denom); break;
+                case 7: attend_heads(&run, 7, denom); break;
+                default: attend_heads(&run, GMAX, denom); break;
                 }
                 for (int64_t g = 0; g < nh; g++)
                     for (int64_t d = 0; d < dh; d++)

@@ -6,6 +6,51 @@
 #define FT_CPU_HEADS_H
 #include "cpu_dot.h"
 
+/* exp of VW floats, ~2 ulp (Cephes' expf polynomial on r = x - n ln2, ln2 in two parts, then
+ * p 2^n through the exponent bits in two factors, so n from -150 to 128 stays in range): x
+ * clamped to [-104, 88.7] (exp(-104) rounds to 0, -inf too; a nan stays a nan). A softmax's
+ * exps one score at a time through libm were a sixth of a long context's decode attention. */
+typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
+static inline __attribute__((always_inline)) vf vexp(vf x) {
+    vi32 xi, big, small;
+    memcpy(&xi, &x, sizeof xi);
+    big = x > 88.7f;                            /* (all ones where true) */
+    small = x < -104.f;
+    const vf hi_c = (vf){0} + 88.7f, lo_c = (vf){0} - 104.f;
+    vi32 hc, lc;
+    memcpy(&hc, &hi_c, sizeof hc);
+    memcpy(&lc, &lo_c, sizeof lc);
+    xi = (xi & ~(big | small)) | (hc & big) | (lc & small);
+    memcpy(&x, &xi, sizeof x);
+    const vf t = x * 1.44269504f;
+    vf n;
+#if VW == 16
+    const __m512 tn = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(&n, &tn, sizeof n);
+#elif defined(__AVX__)
+    const __m256 tn = _mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    memcpy(&n, &tn, sizeof n);
+#else
+    for (int i = 0; i < VW; i++)
+        n[i] = nearbyintf(t[i]);
+#endif
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.f);
+    const vi32 ni = __builtin_convertvector(n, vi32), half = ni / 2;
+    const vi32 f1 = (half + 127) << 23, f2 = (ni - half + 127) << 23;
+    vf a, b;
+    memcpy(&a, &f1, sizeof a);
+    memcpy(&b, &f2, sizeof b);
+    return p * a * b;
+}
+
 /* VW values of p from element i on, widened to float32. */
 static inline vf load_vec(const void *p, int64_t i, int fmt) {
     if (fmt == 2) {
@@ -42,7 +87,7 @@ static inline void prefetch_row(const void *p, int64_t at, int64_t dh, int fmt) 
 /* sc[g * stride] = (q_g . k) * scale for the nh (<= GMAX) q heads q [nh, dh] (float32)
  * sharing key k (in fmt, at element `at`): each of k's vectors widened once for them all;
  * every dot in vector lanes, then across them, then the tail (one fixed order). */
-static inline void dots_heads(const float *q, int64_t nh, const void *k, int64_t at,
+static inline __attribute__((always_inline)) void dots_heads(const float *q, int64_t nh, const void *k, int64_t at,
                               int64_t dh, int fmt, float scale, float *sc, int64_t stride) {
     vf acc[GMAX];
     for (int64_t g = 0; g < nh; g++)
@@ -66,7 +111,7 @@ static inline void dots_heads(const float *q, int64_t nh, const void *k, int64_t
 
 /* h_g += p[g * stride] * v over dh for the nh q heads' sums h [nh, dh], v (in fmt, at
  * element `at`) widened once for them all. */
-static inline void add_scaled_heads(float *h, const float *p, int64_t stride, int64_t nh,
+static inline __attribute__((always_inline)) void add_scaled_heads(float *h, const float *p, int64_t stride, int64_t nh,
                                     const void *v, int64_t at, int64_t dh, int fmt) {
     int64_t d = 0;
     for (; d + VW <= dh; d += VW) {
@@ -85,7 +130,7 @@ static inline void add_scaled_heads(float *h, const float *p, int64_t stride, in
     }
 }
 
-/* add_scaled_heads over n rows for exactly GMAX heads: h_g += sum_j p[g * stride + j] v_j,
+/* add_scaled_heads over n rows for NH (a constant, up to GMAX) heads: h_g += sum_j p[g * stride + j] v_j,
  * v_j (in fmt) at element rows[j]. The heads' sums stay in registers across a block of rows,
  * a slice of ROW_VECS vectors of dh at a time, the block's rows in L2 between its slices (the
  * per-row form loads and stores every head's sums for every row: most of MLA's long-context
@@ -93,25 +138,26 @@ static inline void add_scaled_heads(float *h, const float *p, int64_t stride, in
  * so the same bits. */
 #define ROW_VECS (VW == 16 ? 2 : 1)     /* GMAX x ROW_VECS sums, in AVX-512's 32 registers */
 #define ROW_BLOCK 256                   /* rows a block: MLA's 1152-byte latents, ~300 KB */
-static inline void add_scaled_block(float *h, const float *p, int64_t stride, const void *v,
-                                    const int64_t *rows, int64_t n, int64_t dh, int fmt) {
+static inline __attribute__((always_inline)) void
+add_scaled_block(float *h, const float *p, int64_t stride, const void *v, const int64_t *rows,
+                 int64_t n, int64_t dh, int fmt, const int NH) {
     int64_t d = 0;
     for (; d + ROW_VECS * VW <= dh; d += ROW_VECS * VW) {
         vf acc[GMAX][ROW_VECS];
-        for (int g = 0; g < GMAX; g++)
+        for (int g = 0; g < NH; g++)
             for (int u = 0; u < ROW_VECS; u++)
                 memcpy(&acc[g][u], h + g * dh + d + u * VW, sizeof(vf));
         for (int64_t j = 0; j < n; j++) {
             vf vv[ROW_VECS];
             for (int u = 0; u < ROW_VECS; u++)
                 vv[u] = load_vec(v, rows[j] + d + u * VW, fmt);
-            for (int g = 0; g < GMAX; g++) {
+            for (int g = 0; g < NH; g++) {
                 const float pg = p[g * stride + j];
                 for (int u = 0; u < ROW_VECS; u++)
                     acc[g][u] += pg * vv[u];
             }
         }
-        for (int g = 0; g < GMAX; g++)
+        for (int g = 0; g < NH; g++)
             for (int u = 0; u < ROW_VECS; u++)
                 memcpy(h + g * dh + d + u * VW, &acc[g][u], sizeof(vf));
     }
@@ -119,7 +165,7 @@ static inline void add_scaled_block(float *h, const float *p, int64_t stride, co
         for (int64_t e = d; e < dh; e += (dh - e >= VW ? VW : dh - e)) {
             if (dh - e >= VW) {
                 const vf vv = load_vec(v, rows[j] + e, fmt);
-                for (int g = 0; g < GMAX; g++) {
+                for (int g = 0; g < NH; g++) {
                     vf hv;
                     memcpy(&hv, h + g * dh + e, sizeof hv);
                     hv += p[g * stride + j] * vv;
@@ -128,7 +174,7 @@ static inline void add_scaled_block(float *h, const float *p, int64_t stride, co
             } else {
                 for (int64_t f = e; f < dh; f++) {
                     const float vd = load_as(v, rows[j] + f, fmt);
-                    for (int g = 0; g < GMAX; g++)
+                    for (int g = 0; g < NH; g++)
                         h[g * dh + f] += p[g * stride + j] * vd;
                 }
             }
@@ -139,7 +185,7 @@ static inline void add_scaled_rows(float *h, const float *p, int64_t stride, con
                                    const int64_t *rows, int64_t n, int64_t dh, int fmt) {
     for (int64_t j0 = 0; j0 < n; j0 += ROW_BLOCK)
         add_scaled_block(h, p + j0, stride, v, rows + j0, n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK,
-                         dh, fmt);
+                         dh, fmt, GMAX);
 }
 
 /* One head [dh] of a token: RMSNorm (when w), then RoPE over its first r dims, in float32. */
