@@ -110,7 +110,10 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                 const float *qs = scratch + (b * h + h0) * lr;
                 for (int64_t j = 0; j < len; j++) {
                     const int64_t at = ((int64_t)table[j / bs] * bs + j % bs) * lr;
-                    dots_heads(qs, nh, cache, at, lr, cfmt, 1.f, sc + j, len);
+                    if (nh == GMAX)     /* (a constant count: the heads' loops unrolled) */
+                        dots_heads(qs, GMAX, cache, at, lr, cfmt, 1.f, sc + j, len);
+                    else
+                        dots_heads(qs, nh, cache, at, lr, cfmt, 1.f, sc + j, len);
                     for (int64_t g = 0; g < nh; g++)         /* (a 16-bit einsum's rounding) */
                         sc[g * len + j] = round_to(sc[g * len + j], fmt) * scale;
                 }
@@ -118,7 +121,17 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                     float *p = sc + g * len, m = -INFINITY, sum = 0.f;
                     for (int64_t j = 0; j < len; j++)
                         m = p[j] > m ? p[j] : m;
-                    for (int64_t j = 0; j < len; j++)
+                    int64_t j = 0;
+                    vf vsum = {0};
+                    for (; j + VW <= len; j += VW) {        /* (vexp: ~1 ulp) */
+                        vf e;
+                        memcpy(&e, p + j, sizeof e);
+                        e = vexp(e - m);
+                        memcpy(p + j, &e, sizeof e);
+                        vsum += e;
+                    }
+                    sum = hsum(vsum);
+                    for (; j < len; j++)
                         sum += p[j] = expf(p[j] - m);
                     for (int64_t j = 0; j < len; j++)
                         p[j] = round_to(p[j] / sum, fmt);
