@@ -67,7 +67,7 @@ attend_heads(const struct head_run *a, const int NH, float *denom) {
         float sum = a->sinks ? expf(a->sinks[g] - m) : 0.f;
         int64_t j = 0;
         vf vsum = {0};
-        for (; j + VW <= n; j += VW) {      /* (vexp: ~2 ulp, libm's expf below) */
+        for (; j + VW <= n; j += VW) {      /* (vexp: ~1 ulp; libm's expf for the rest) */
             vf e;
             memcpy(&e, sc + j, sizeof e);
             e = vexp(e - m);

@@ -87,10 +87,10 @@ static inline const void *int4_row_scales(const void *gs, int64_t row, int64_t g
  * through the tables. The products must not be denormal too: x carries E4M3_XUNIT = 2^64
  * (permute_row, the MoE activations) and the sums E4M3_SUM = 2^56 (row_scale), so a product
  * is denormal only where |w x| < 2^-70. The vectors hold, per block, dword i's bytes 4i,
- * 4i + 2, 4i + 1, 4i + 3 (f8l_source). Figures (2-core EPYC, interleaved runs): one MoE layer at one
- * token (bench/cpu_moe.py) 0.32-0.35 -> 0.29-0.31 ms, 2 tokens 0.59-0.61 -> 0.51-0.53, 8
- * tokens 1.84-1.91 -> 1.65-1.86; the FP8 bench model's decode step (int8 head) at batch 1
- * 7.16-7.28 -> 6.51-6.66 ms, at batch 8 41.1-42.3 -> 37.6-38.9.
+ * 4i + 2, 4i + 1, 4i + 3 (f8l_source). Figures (2-core EPYC, interleaved runs): one MoE
+ * layer at one token (bench/cpu_moe.py) 0.32-0.35 -> 0.29-0.31 ms, 2 tokens 0.59-0.61 ->
+ * 0.51-0.53, 8 tokens 1.84-1.91 -> 1.65-1.86; the FP8 bench model's decode step (int8 head)
+ * at batch 1 7.16-7.28 -> 6.51-6.66 ms, at batch 8 41.1-42.3 -> 37.6-38.9.
  * (Intel's cores take a microcode assist on some denormal operands; not measured here, so
  * they keep the tables. -DFT_F8L_TABLES takes the tables anywhere.)
  *

@@ -6,10 +6,11 @@
 #define FT_CPU_HEADS_H
 #include "cpu_dot.h"
 
-/* exp of VW floats, ~2 ulp (Cephes' expf polynomial on r = x - n ln2, ln2 in two parts, then
- * p 2^n through the exponent bits in two factors, so n from -150 to 128 stays in range): x
- * clamped to [-104, 88.7] (exp(-104) rounds to 0, -inf too; a nan stays a nan). A softmax's
- * exps one score at a time through libm were a sixth of a long context's decode attention. */
+/* exp of VW floats, ~1 ulp (1.2e-7 relative at most over [-103, 88.6], against libm's
+ * expf): Cephes' expf polynomial on r = x - n ln2, ln2 in two parts, then p 2^n through the
+ * exponent bits in two factors, so n from -150 to 128 stays in range. x is clamped to
+ * [-104, 88.7]: exp(-104) rounds to 0, -inf too; a nan stays a nan. A softmax's exps one
+ * score at a time through libm were a sixth of a long context's decode attention. */
 typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 static inline __attribute__((always_inline)) vf vexp(vf x) {
     vi32 xi, big, small;
@@ -25,7 +26,8 @@ static inline __attribute__((always_inline)) vf vexp(vf x) {
     const vf t = x * 1.44269504f;
     vf n;
 #if VW == 16
-    const __m512 tn = _mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 tn = _mm512_roundscale_ps((__m512)t,
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     memcpy(&n, &tn, sizeof n);
 #elif defined(__AVX__)
     const __m256 tn = _mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -87,8 +89,9 @@ static inline void prefetch_row(const void *p, int64_t at, int64_t dh, int fmt) 
 /* sc[g * stride] = (q_g . k) * scale for the nh (<= GMAX) q heads q [nh, dh] (float32)
  * sharing key k (in fmt, at element `at`): each of k's vectors widened once for them all;
  * every dot in vector lanes, then across them, then the tail (one fixed order). */
-static inline __attribute__((always_inline)) void dots_heads(const float *q, int64_t nh, const void *k, int64_t at,
-                              int64_t dh, int fmt, float scale, float *sc, int64_t stride) {
+static inline __attribute__((always_inline)) void
+dots_heads(const float *q, int64_t nh, const void *k, int64_t at, int64_t dh, int fmt,
+           float scale, float *sc, int64_t stride) {
     vf acc[GMAX];
     for (int64_t g = 0; g < nh; g++)
         acc[g] = (vf){0};
@@ -111,8 +114,9 @@ static inline __attribute__((always_inline)) void dots_heads(const float *q, int
 
 /* h_g += p[g * stride] * v over dh for the nh q heads' sums h [nh, dh], v (in fmt, at
  * element `at`) widened once for them all. */
-static inline __attribute__((always_inline)) void add_scaled_heads(float *h, const float *p, int64_t stride, int64_t nh,
-                                    const void *v, int64_t at, int64_t dh, int fmt) {
+static inline __attribute__((always_inline)) void
+add_scaled_heads(float *h, const float *p, int64_t stride, int64_t nh, const void *v, int64_t at,
+                 int64_t dh, int fmt) {
     int64_t d = 0;
     for (; d + VW <= dh; d += VW) {
         vf vv = load_vec(v, at + d, fmt);
@@ -130,12 +134,12 @@ static inline __attribute__((always_inline)) void add_scaled_heads(float *h, con
     }
 }
 
-/* add_scaled_heads over n rows for NH (a constant, up to GMAX) heads: h_g += sum_j p[g * stride + j] v_j,
- * v_j (in fmt) at element rows[j]. The heads' sums stay in registers across a block of rows,
- * a slice of ROW_VECS vectors of dh at a time, the block's rows in L2 between its slices (the
- * per-row form loads and stores every head's sums for every row: most of MLA's long-context
- * time); each element sums its rows in the same order with the same fused multiply-adds,
- * so the same bits. */
+/* add_scaled_heads over n rows for NH heads (a constant, up to GMAX): h_g += sum_j
+ * p[g * stride + j] v_j, v_j (in fmt) at element rows[j]. The heads' sums stay in registers
+ * across a block of rows, a slice of ROW_VECS vectors of dh at a time, the block's rows in
+ * L2 between its slices (the per-row form loads and stores every head's sums for every row:
+ * most of MLA's long-context time); each element sums its rows in the same order with the
+ * same fused multiply-adds, so the same bits. */
 #define ROW_VECS (VW == 16 ? 2 : 1)     /* GMAX x ROW_VECS sums, in AVX-512's 32 registers */
 #define ROW_BLOCK 256                   /* rows a block: MLA's 1152-byte latents, ~300 KB */
 static inline __attribute__((always_inline)) void
