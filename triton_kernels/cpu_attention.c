@@ -64,23 +64,7 @@ attend_heads(const struct head_run *a, const int NH, float *denom) {
         float m = a->sinks ? a->sinks[g] : -INFINITY;
         for (int64_t j = 0; j < n; j++)
             m = sc[j] > m ? sc[j] : m;
-        float sum = a->sinks ? expf(a->sinks[g] - m) : 0.f;
-        int64_t j = 0;
-        vf vsum = {0};
-        for (; j + VW <= n; j += VW) {      /* (vexp: ~1 ulp; libm's expf for the rest) */
-            vf e;
-            memcpy(&e, sc + j, sizeof e);
-            e = vexp(e - m);
-            memcpy(sc + j, &e, sizeof e);
-            vsum += e;
-        }
-        sum += hsum(vsum);
-        for (; j < n; j++) {
-            float pj = expf(sc[j] - m);
-            sc[j] = pj;
-            sum += pj;
-        }
-        denom[g] = sum;
+        denom[g] = (a->sinks ? expf(a->sinks[g] - m) : 0.f) + exps_less(sc, n, m);
     }
     for (int64_t i = 0; i < NH * dh; i++)
         a->h[i] = 0.f;

@@ -53,6 +53,24 @@ static inline __attribute__((always_inline)) vf vexp(vf x) {
     return p * a * b;
 }
 
+/* p[j] = exp(p[j] - m) over n scores, VW at a time (vexp; libm's expf for the rest): their
+ * sum. A softmax's numerators, m its largest score. */
+static inline float exps_less(float *p, int64_t n, float m) {
+    int64_t j = 0;
+    vf vsum = {0};
+    for (; j + VW <= n; j += VW) {
+        vf e;
+        memcpy(&e, p + j, sizeof e);
+        e = vexp(e - m);
+        memcpy(p + j, &e, sizeof e);
+        vsum += e;
+    }
+    float sum = hsum(vsum);
+    for (; j < n; j++)
+        sum += p[j] = expf(p[j] - m);
+    return sum;
+}
+
 /* VW values of p from element i on, widened to float32. */
 static inline vf load_vec(const void *p, int64_t i, int fmt) {
     if (fmt == 2) {

@@ -118,21 +118,10 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                         sc[g * len + j] = round_to(sc[g * len + j], fmt) * scale;
                 }
                 for (int64_t g = 0; g < nh; g++) {
-                    float *p = sc + g * len, m = -INFINITY, sum = 0.f;
+                    float *p = sc + g * len, m = -INFINITY;
                     for (int64_t j = 0; j < len; j++)
                         m = p[j] > m ? p[j] : m;
-                    int64_t j = 0;
-                    vf vsum = {0};
-                    for (; j + VW <= len; j += VW) {        /* (vexp: ~1 ulp) */
-                        vf e;
-                        memcpy(&e, p + j, sizeof e);
-                        e = vexp(e - m);
-                        memcpy(p + j, &e, sizeof e);
-                        vsum += e;
-                    }
-                    sum = hsum(vsum);
-                    for (; j < len; j++)
-                        sum += p[j] = expf(p[j] - m);
+                    const float sum = exps_less(p, len, m);
                     for (int64_t j = 0; j < len; j++)
                         p[j] = round_to(p[j] / sum, fmt);
                 }

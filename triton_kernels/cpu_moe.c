@@ -202,10 +202,12 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             dots(w, gs, gshift, xv, (int)d, nr, nt, fmt, t0 == 0,
                                  res[i - i0]);
                         if (fmt == FT_E4M3)     /* row scales, and E4M3_SUM: on the sums */
-                            for (int r = 0; r < nr; r++)
+                            for (int r = 0; r < nr; r++) {
+                                const float sc = row_scale(fmt, (const float *)s13 + s * 2 * width,
+                                                           bk, row + r);
                                 for (int t = 0; t < nt; t++)
-                                    res[i - i0 + r][t] *= row_scale(
-                                        fmt, (const float *)s13 + s * 2 * width, bk, row + r);
+                                    res[i - i0 + r][t] *= sc;
+                            }
                         i += nr;
                     }
                 }
