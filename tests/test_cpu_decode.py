@@ -456,6 +456,32 @@ def test_native_decode_attention_many_q_heads_a_kv_head(hq, hk, threads):
     check_decode_step(c, True, 5, True, False, 32 ** -0.5)
 
 
+@pytest.mark.parametrize("hq,hk,dh,cache_dtype", [(12, 2, 64, torch.float16),
+                                                  (14, 2, 32, torch.float32),
+                                                  (6, 2, 40, torch.bfloat16)])
+def test_native_decode_attention_splits_long_contexts_for_any_group(hq, hk, dh, cache_dtype,
+                                                                   threads):
+    # Contexts of several splits (~512 keys each), partial sums joined, for 6, 7 and 3 q heads
+    # a kv head (the softmax's vector lanes cycle through the heads over several vectors),
+    # each cache format, one with a scalar tail of dh, with a window and sinks, against the
+    # torch path.
+    threads(2)
+    c = attention_case(12, [1700, 3, 600], hq=hq, hk=hk, dh=dh, rot=dh // 2,
+                       cache_dtype=cache_dtype)
+    check_decode_step(c, True, 1200, True, False, dh ** -0.5)
+    # A lone sequence of 2 splits: a work item takes one kv head (on 3 threads) or all of
+    # them (on 1), the same bits.
+    c = attention_case(13, [700], hq=hq, hk=hk, dh=dh, rot=dh // 2, cache_dtype=cache_dtype)
+    step = tk.CpuDecodeAttention(kernel, c["heads"], None, None, 1e-6, dh ** -0.5, None,
+                                 c["sinks"], False)
+    outs = []
+    for n in (1, 3):
+        threads(n)
+        outs.append(step(c["qkv"], c["positions"], c["cos_sin"], c["k_cache"].clone(),
+                         c["v_cache"].clone(), c["slots"], c["tables"], c["lens"]))
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_decode_attention_odd_head_dims_no_grouping_and_skipped_slots(dtype, threads):
     # Dh 40 (vector lanes and a scalar tail), Hq == Hk, fp16, and a sequence whose slot is -1

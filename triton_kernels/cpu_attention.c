@@ -32,53 +32,211 @@ static inline void st(void *p, int64_t i, float f, int fmt) {
     store_as(p, i, round_to(f, fmt), fmt);
 }
 
-/* Step 2's loop for one (sequence, kv head, chunk of NH q heads): the scores q.k * scale
- * of every key (the window's) into scores [NH, n], their softmax (a sink's logit joining the
- * denominator, denom [NH]), and h [NH, dh] = sum_j p_j v_j, unnormalized. NH a constant at
- * each call (the heads' loops unrolled, their sums in registers: with the count at run time
- * its loops' compares and branches were a sixth of a long context's time). */
+/* Step 2 without AMX. A work item is one sequence's split of its keys (split_count) for a
+ * run of its kv heads (all of them where the splits alone give the threads work): a batch
+ * of one long context still gives every thread items (with an item a (sequence, kv head),
+ * a model of 4 kv heads kept 4 threads busy however many the machine had), and a key's row
+ * of all the run's kv heads is read whole, in order (a kv head's 128 B of each 512 B, a
+ * strided stream each, ran at a third of DRAM's speed). Its units: (kv head, chunk of up to
+ * GMAX q heads) pairs, each with its scores and sums. */
 struct head_run {
-    const float *q;                         /* [NH, dh] float32, normed and rotated */
     const void *k_cache, *v_cache;
-    const int32_t *table;
-    int64_t bs, hk, kv, dh;
+    const int64_t *rows;                    /* [n] where the keys' rows of its first kv head start */
+    int64_t n, dh, width;                   /* width: the elements of a row it reads */
     int cfmt;
-    int64_t first, len;                     /* the keys: first .. len - 1 */
     float scale;
-    const float *sinks;                     /* the chunk's [NH] or NULL */
-    float *scores, *h;
 };
 
+struct head_unit {
+    const float *q;                         /* [nh, dh] float32, normed and rotated */
+    vf *qp;                                 /* q, pack_heads' */
+    int64_t off;                            /* its kv head's row from the run's first */
+    int nh;
+    const float *sinks;                     /* [nh]: the whole softmax here; or NULL */
+    float *scores, *h;                      /* [n, nh] scratch; out [nh, dh] unnormalized */
+    float m[GMAX], l[GMAX];
+};
+
+/* The unit's scores q.k * scale of keys j0..j1-1 into its scores [n, NH] (key-major). NH
+ * a constant at each call: the heads' loops unrolled, their sums in registers. */
 static inline __attribute__((always_inline)) void
-attend_heads(const struct head_run *a, const int NH, float *denom) {
-    const int64_t n = a->len - a->first, dh = a->dh;
-    for (int64_t j = a->first; j < a->len; j++) {
-        if (j + PF_KEYS < a->len)
-            prefetch_row(a->k_cache, key_row(a->table, j + PF_KEYS, a->bs, a->hk, a->kv, dh),
-                         dh, a->cfmt);
-        dots_heads(a->q, NH, a->k_cache, key_row(a->table, j, a->bs, a->hk, a->kv, dh), dh,
-                   a->cfmt, a->scale, a->scores + (j - a->first), n);
+unit_scores(const struct head_run *a, const struct head_unit *u, const int NH, int64_t j0,
+            int64_t j1, const int fmt) {
+    const int KB = NH <= 4 ? 8 / NH : 1;    /* keys a dots_keys: NH * KB sums at once */
+    const void *k = (const char *)a->k_cache + u->off * (fmt == 2 ? 4 : 2);
+    int64_t j = j0;
+    for (; j + KB <= j1; j += KB)
+        dots_keys(u->q, u->qp, NH, KB, k, a->rows + j, a->dh, fmt, a->scale, u->scores + j * NH);
+    for (; j < j1; j++)
+        dots_keys(u->q, u->qp, NH, 1, k, a->rows + j, a->dh, fmt, a->scale, u->scores + j * NH);
+}
+
+/* The unit's softmax numerators over its scores [n, nh] in place, e^(s - m): m [nh] the
+ * largest of each head's scores (or its sink's logit, where larger) and l [nh] their sums
+ * (with the sink's e^(sink - m)). VW lanes at a time over the key-major scores: lane e of
+ * vector v is head (v VW + e) % nh, a pattern repeating every `period` vectors; each of
+ * the period's vectors its own pass, its max and sum in a register. */
+static void softmax_keys(float *sc, int64_t n, int nh, const float *sinks, float *m, float *l) {
+    const int64_t total = n * nh, whole = total / VW * VW;
+    int period = 1;
+    while (period * VW % nh)
+        period++;
+    for (int g = 0; g < nh; g++)
+        m[g] = sinks ? sinks[g] : -INFINITY;
+    for (int k = 0; k < period; k++) {
+        vf vm = (vf){0} - INFINITY;
+        for (int64_t i = k * VW; i < whole; i += period * VW) {
+            vf x;
+            memcpy(&x, sc + i, sizeof x);
+            const vi32 gt = x > vm;
+            vi32 xa, xb;
+            memcpy(&xa, &x, sizeof xa);
+            memcpy(&xb, &vm, sizeof xb);
+            xa = (xa & gt) | (xb & ~gt);
+            memcpy(&vm, &xa, sizeof xa);
+        }
+        for (int e = 0; e < VW; e++)
+            m[(k * VW + e) % nh] = vm[e] > m[(k * VW + e) % nh] ? vm[e] : m[(k * VW + e) % nh];
     }
-    for (int g = 0; g < NH; g++) {
-        float *sc = a->scores + g * n;
-        float m = a->sinks ? a->sinks[g] : -INFINITY;
-        for (int64_t j = 0; j < n; j++)
-            m = sc[j] > m ? sc[j] : m;
-        denom[g] = (a->sinks ? expf(a->sinks[g] - m) : 0.f) + exps_less(sc, n, m);
+    for (int64_t t = whole; t < total; t++)
+        m[t % nh] = sc[t] > m[t % nh] ? sc[t] : m[t % nh];
+    for (int g = 0; g < nh; g++)
+        l[g] = sinks ? expf(sinks[g] - m[g]) : 0.f;
+    for (int k = 0; k < period; k++) {
+        vf vm, vs = (vf){0};
+        for (int e = 0; e < VW; e++)
+            vm[e] = m[(k * VW + e) % nh];
+        for (int64_t i = k * VW; i < whole; i += period * VW) {
+            vf x;
+            memcpy(&x, sc + i, sizeof x);
+            x = vexp(x - vm);
+            memcpy(sc + i, &x, sizeof x);
+            vs += x;
+        }
+        for (int e = 0; e < VW; e++)
+            l[(k * VW + e) % nh] += vs[e];
     }
-    for (int64_t i = 0; i < NH * dh; i++)
-        a->h[i] = 0.f;
+    for (int64_t t = whole; t < total; t++)
+        l[t % nh] += sc[t] = expf(sc[t] - m[t % nh]);
+}
+
+/* h += the unit's probabilities . values of keys j0..j0+nb-1. */
+static inline __attribute__((always_inline)) void
+unit_values(const struct head_run *a, struct head_unit *u, const int NH, int64_t j0,
+            int64_t nb, const int fmt) {
+    const void *v = (const char *)a->v_cache + u->off * (fmt == 2 ? 4 : 2);
+    add_scaled_block(u->h, u->scores + j0 * NH, 1, NH, v, a->rows + j0, nb, a->dh, fmt, NH);
+}
+
+/* A switch on a unit's head count, each case the call with that count a constant. */
+#define BY_HEADS(nh, call)                                                                  \
+    switch (nh) {                                                                           \
+    case 1: call(1); break;                                                                 \
+    case 2: call(2); break;                                                                 \
+    case 3: call(3); break;                                                                 \
+    case 4: call(4); break;                                                                 \
+    case 5: call(5); break;                                                                 \
+    case 6: call(6); break;                                                                 \
+    case 7: call(7); break;                                                                 \
+    default: call(GMAX); break;                                                             \
+    }
+
+#define KEY_BLOCK 16        /* keys a pass over the units (their rows' lines in L1 between) */
+/* Rows this many keys ahead are asked for (the keys' into L1, the values' into L2) as an
+ * item reads its keys: a paged cache's blocks lie where the allocator put them, and a
+ * block of 16 keys is too short a stream for the hardware's prefetch to learn. (Whole rows
+ * in order, the hardware's alone kept up on contiguous blocks; a kv head's slice of each
+ * row, without these, ran at ~10x its K/V stream's time on a 2-core EPYC.) */
+#define PF_KEYS 8
+
+/* A work item's units over its keys: each unit's scores, their softmax's numerators
+ * e^(s - m) (m the largest score, or the sink's logit where that is larger), their sum l
+ * (with the sink's e^(sink - m)) and h = sum_j e^(s_j - m) v_j. The cache's format fmt a
+ * constant at each call (attend): its loads' branches out of the loops. */
+static inline __attribute__((always_inline)) void
+attend_units(const struct head_run *a, struct head_unit *units, int64_t n_units, const int fmt) {
+    const int64_t n = a->n, dh = a->dh, size = fmt == 2 ? 4 : 2, bytes = a->width * size;
+    /* The keys a block at a time, all the units': rows asked for PF_KEYS ahead, the keys'
+     * into L1 and the values' into L2 for the pass after (the values' asked for in a burst
+     * at that pass's start stalled it a tenth). */
+    for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
+        const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
+        for (int64_t j = j0 + PF_KEYS; j < j1 + PF_KEYS && j < n; j++)
+            for (int64_t b = 0; b < bytes; b += 64) {
+                __builtin_prefetch((const char *)a->k_cache + a->rows[j] * size + b, 0, 3);
+                __builtin_prefetch((const char *)a->v_cache + a->rows[j] * size + b, 0, 2);
+            }
+        for (int64_t i = 0; i < n_units; i++) {
+#define SCORES(NH) unit_scores(a, &units[i], NH, j0, j1, fmt)
+            BY_HEADS(units[i].nh, SCORES)
+#undef SCORES
+        }
+    }
+    for (int64_t i = 0; i < n_units; i++) {
+        struct head_unit *u = &units[i];
+        softmax_keys(u->scores, n, u->nh, u->sinks, u->m, u->l);
+        for (int64_t e = 0; e < u->nh * dh; e++)
+            u->h[e] = 0.f;
+    }
     /* the values a block of keys at a time, the heads' sums of a slice of dh in registers
      * across the block (add_scaled_block; per key, every head's sums were loaded and stored) */
-    for (int64_t j0 = a->first; j0 < a->len; j0 += ROW_BLOCK) {
-        const int64_t nb = a->len - j0 < ROW_BLOCK ? a->len - j0 : ROW_BLOCK;
-        int64_t rows[ROW_BLOCK];
-        for (int64_t j = 0; j < nb; j++) {
-            rows[j] = key_row(a->table, j0 + j, a->bs, a->hk, a->kv, dh);
-            prefetch_row(a->v_cache, rows[j], dh, a->cfmt);
+    for (int64_t j0 = 0; j0 < n; j0 += ROW_BLOCK) {
+        const int64_t nb = n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK;
+        for (int64_t i = 0; i < n_units; i++) {
+#define VALUES(NH) unit_values(a, &units[i], NH, j0, nb, fmt)
+            BY_HEADS(units[i].nh, VALUES)
+#undef VALUES
         }
-        add_scaled_block(a->h, a->scores + (j0 - a->first), n, a->v_cache, rows, nb, dh,
-                         a->cfmt, NH);
+    }
+}
+
+static void attend(const struct head_run *a, struct head_unit *units, int64_t n_units) {
+    switch (a->cfmt) {
+    case 0: attend_units(a, units, n_units, 0); break;
+    case 1: attend_units(a, units, n_units, 1); break;
+    default: attend_units(a, units, n_units, 2); break;
+    }
+}
+
+/* A context of n keys is split into this many runs of keys, of about SPLIT_MIN keys or
+ * more: at most SPLIT_MOST, so a batch's partial sums stay small. It depends on the
+ * context alone: a sequence's bits do not depend on the threads or the batch. */
+#define SPLIT_MIN 512
+#define SPLIT_MOST 64
+static inline int64_t split_count(int64_t n) {
+    const int64_t s = (n + SPLIT_MIN - 1) / SPLIT_MIN;
+    return s < SPLIT_MOST ? s : SPLIT_MOST;
+}
+
+/* A work item of step 2 (either path): its sequence, kv head, q heads h0..h0+nh-1 and keys
+ * k0..k1-1; part: its partial softmax where the sequence's keys are split (m [16], l [16],
+ * O [nh, dh], joined by decode_join), else NULL. */
+struct split_item {
+    int64_t b, kv, h0, nh, k0, k1;
+    float *part;
+};
+
+/* A (sequence, kv head, q head chunk)'s units (n, `stride` apart) joined: out = sum_s
+ * e^(m_s - M) O_s / (sum_s e^(m_s - M) l_s + e^(sink - M)), M the largest of the m_s and
+ * the sink. */
+static void decode_join(const struct split_item *its, int64_t n, int64_t stride, int64_t dh,
+                        int64_t hq, const float *sinks, void *out, int fmt) {
+    const int64_t b = its[0].b, h0 = its[0].h0, nh = its[0].nh;
+    for (int64_t g = 0; g < nh; g++) {
+        float big = sinks ? sinks[h0 + g] : -INFINITY;
+        for (int64_t s = 0; s < n; s++)
+            big = its[s * stride].part[g] > big ? its[s * stride].part[g] : big;
+        float denom = sinks ? expf(sinks[h0 + g] - big) : 0.f, w[n];
+        for (int64_t s = 0; s < n; s++) {
+            w[s] = expf(its[s * stride].part[g] - big);
+            denom += w[s] * its[s * stride].part[16 + g];
+        }
+        for (int64_t d = 0; d < dh; d++) {
+            float o = 0.f;
+            for (int64_t s = 0; s < n; s++)
+                o += w[s] * its[s * stride].part[32 + g * dh + d];
+            st(out, (b * hq + h0 + g) * dh + d, o / denom, fmt);
+        }
     }
 }
 
@@ -101,11 +259,6 @@ attend_heads(const struct head_run *a, const int NH, float *denom) {
  * so the bits do not depend on the thread count. */
 #define SPLIT_KEYS 512
 #define HEADS_AMX 16
-
-struct split_item {
-    int64_t b, kv, h0, nh, k0, k1;       /* its q heads h0..h0+nh-1, keys k0..k1-1 */
-    float *part;                         /* m [16], l [16], O [nh, dh] */
-};
 
 static inline __attribute__((always_inline)) void pv_pass(
         const struct split_item *it, int gn, int dn, int64_t g0, int64_t d0, int64_t dh,
@@ -232,29 +385,6 @@ static void decode_units(const struct split_item *its, int64_t n, const float *q
         finish_unit(&its[u], dh, hk, v_cache, bs, table, scale, sc + u * sc_floats);
 }
 
-/* A (sequence, kv head, q head chunk)'s units (n, `stride` apart) joined: out = sum_s
- * e^(m_s - M) O_s / (sum_s e^(m_s - M) l_s + e^(sink - M)), M the largest of the m_s and
- * the sink. */
-static void decode_join(const struct split_item *its, int64_t n, int64_t stride, int64_t dh,
-                        int64_t hq, const float *sinks, void *out, int fmt) {
-    const int64_t b = its[0].b, h0 = its[0].h0, nh = its[0].nh;
-    for (int64_t g = 0; g < nh; g++) {
-        float big = sinks ? sinks[h0 + g] : -INFINITY;
-        for (int64_t s = 0; s < n; s++)
-            big = its[s * stride].part[g] > big ? its[s * stride].part[g] : big;
-        float denom = sinks ? expf(sinks[h0 + g] - big) : 0.f, w[n];
-        for (int64_t s = 0; s < n; s++) {
-            w[s] = expf(its[s * stride].part[g] - big);
-            denom += w[s] * its[s * stride].part[16 + g];
-        }
-        for (int64_t d = 0; d < dh; d++) {
-            float o = 0.f;
-            for (int64_t s = 0; s < n; s++)
-                o += w[s] * its[s * stride].part[32 + g * dh + d];
-            st(out, (b * hq + h0 + g) * dh + d, o / denom, fmt);
-        }
-    }
-}
 #endif
 
 /* Whether a step in fmt over a cache in cfmt, heads of dh, blocks of bs takes AMX's tiles
@@ -325,15 +455,60 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
 #else
     const int amx = 0;
 #endif
+    /* Step 2 without AMX (attend_units): units in (sequence, split, kv head, q head chunk)
+     * order, a sequence's from unit_at[b], a split sequence's joined after, `per_split_g`
+     * apart; a work item `per` kv heads' units of a split. most_keys: the longest split. */
+    const int64_t chunks = (group + chunk - 1) / chunk, per_split_g = hk * chunks;
+    const int64_t part_g = 32 + chunk * dh;
+    int64_t n_g = 0, n_parts = 0, most_keys = 1, splits_all = 0;
+    for (int64_t b = 0; !amx && b < b_count; b++) {
+        const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+        const int64_t n = lens[b] - first, splits = split_count(n), size = (n + splits - 1) / splits;
+        n_g += splits * per_split_g;
+        n_parts += splits > 1 ? splits * per_split_g : 0;
+        most_keys = size > most_keys ? size : most_keys;
+        splits_all += splits;
+    }
+    const int64_t per_g = splits_all >= threads ? hk : 1, units_w = per_g * chunks;
+    struct split_item *g_units = amx ? NULL : malloc((n_g + 1) * sizeof *g_units);
+    int64_t *unit_at = amx ? NULL : malloc((b_count + 1) * sizeof *unit_at);
+    float *g_parts = amx ? NULL : malloc((n_parts + 1) * part_g * sizeof *g_parts);
+    if (!amx && (!g_units || !unit_at || !g_parts)) {
+        free(g_units), free(unit_at), free(g_parts);
+#if FT_AMX
+        free(items), free(split_at), free(parts);
+#endif
+        return -1;
+    }
+    for (int64_t b = 0, i = 0, p = 0; !amx && b < b_count; b++) {
+        const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
+        const int64_t n = lens[b] - first, splits = split_count(n), size = (n + splits - 1) / splits;
+        unit_at[b] = i;
+        for (int64_t s = 0; s < splits; s++)
+            for (int64_t kv = 0; kv < hk; kv++)
+                for (int64_t c = 0; c < chunks; c++, i++) {
+                    const int64_t h0 = kv * group + c * chunk;
+                    const int64_t k0 = first + s * size;
+                    g_units[i] = (struct split_item){
+                        b, kv, h0, h0 + chunk <= (kv + 1) * group ? chunk : (kv + 1) * group - h0,
+                        k0, k0 + size < lens[b] ? k0 + size : lens[b],
+                        splits > 1 ? g_parts + p++ * part_g : NULL};
+                }
+        unit_at[b + 1] = i;
+    }
 #pragma omp parallel num_threads(threads)
     {
-        float *h = malloc(chunk * dh * sizeof *h);             /* (step 1's too) */
+        float *h = malloc(units_w * chunk * dh * sizeof *h);   /* (step 1's too) */
 #if FT_AMX
-        float *scores = amx ? aligned_alloc(64, sc_bytes) : malloc(chunk * longest * sizeof *scores);
+        float *scores = amx ? aligned_alloc(64, sc_bytes)
+                            : malloc(units_w * chunk * most_keys * sizeof *scores);
 #else
-        float *scores = malloc(chunk * longest * sizeof *scores);
+        float *scores = malloc(units_w * chunk * most_keys * sizeof *scores);
 #endif
-        if (!h || !scores)
+        int64_t *rows = malloc(most_keys * sizeof *rows);
+        struct head_unit *units = malloc(units_w * sizeof *units);
+        vf *qps = aligned_alloc(64, (units_w * chunk * (dh / VW) + 1) * sizeof *qps);
+        if (!h || !scores || !rows || !units || !qps)
             __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
 #pragma omp barrier
         if (!__atomic_load_n(&bad, __ATOMIC_RELAXED)) {
@@ -363,7 +538,6 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
             }                               /* (the for's implicit barrier) */
             /* 2. Per (sequence, kv head, chunk of its q heads): softmax(q.k * scale) . v over
              *    the keys (the window's), a sink's logit joining the softmax without a value. */
-            const int64_t chunks = amx ? 0 : (group + chunk - 1) / chunk;
 #if FT_AMX
             if (amx) {
                 load_tiles();
@@ -385,34 +559,56 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 _tile_release();
             }
 #endif
-#pragma omp for schedule(static)
-            for (int64_t item = 0; item < b_count * hk * chunks; item++) {
-                int64_t b = item / (hk * chunks), kv = item / chunks % hk;
-                int64_t h0 = kv * group + item % chunks * chunk;       /* its first q head */
-                int64_t nh = h0 + chunk <= (kv + 1) * group ? chunk : (kv + 1) * group - h0;
-                int64_t len = lens[b], first = window > 0 && len > window ? len - window : 0;
-                struct head_run run = {q_scratch + (b * hq + h0) * dh, k_cache, v_cache,
-                                       tables + b * max_blocks, bs, hk, kv, dh, cfmt, first,
-                                       len, scale, sinks ? sinks + h0 : NULL, scores, h};
-                float denom[GMAX];
-                switch (nh) {       /* the head count a constant: its loops unrolled */
-                case 1: attend_heads(&run, 1, denom); break;
-                case 2: attend_heads(&run, 2, denom); break;
-                case 3: attend_heads(&run, 3, denom); break;
-                case 4: attend_heads(&run, 4, denom); break;
-                case 5: attend_heads(&run, 5, denom); break;
-                case 6: attend_heads(&run, 6, denom); break;
-                case 7: attend_heads(&run, 7, denom); break;
-                default: attend_heads(&run, GMAX, denom); break;
+            /* Without AMX: each work item's keys through attend_units, each unit's sums to
+             * out where the keys are all its sequence's, else to its partial; then the
+             * splits joined. */
+#pragma omp for schedule(dynamic)
+            for (int64_t w = 0; w < (amx ? 0 : n_g / units_w); w++) {
+                const struct split_item *its = g_units + w * units_w;
+                key_rows(tables + its->b * max_blocks, its->k0, its->k1, bs, hk, its->kv, dh,
+                         rows);
+                const struct head_run run = {k_cache, v_cache, rows, its->k1 - its->k0, dh,
+                                             per_g * dh, cfmt, scale};
+                for (int64_t i = 0; i < units_w; i++) {
+                    const struct split_item *it = &its[i];
+                    units[i] = (struct head_unit){
+                        q_scratch + (it->b * hq + it->h0) * dh, qps + i * chunk * (dh / VW),
+                        (it->kv - its->kv) * dh, (int)it->nh,
+                        sinks && !it->part ? sinks + it->h0 : NULL,
+                        scores + i * chunk * most_keys,
+                        it->part ? it->part + 32 : h + i * chunk * dh, {0}, {0}};
+                    pack_heads(units[i].q, it->nh, dh, units[i].qp);
                 }
-                for (int64_t g = 0; g < nh; g++)
-                    for (int64_t d = 0; d < dh; d++)
-                        st(out, (b * hq + h0 + g) * dh + d, h[g * dh + d] / denom[g], fmt);
+                attend(&run, units, units_w);
+                for (int64_t i = 0; i < units_w; i++) {
+                    const struct split_item *it = &its[i];
+                    const struct head_unit *u = &units[i];
+                    for (int64_t g = 0; g < it->nh; g++) {
+                        if (it->part) {
+                            it->part[g] = u->m[g], it->part[16 + g] = u->l[g];
+                            continue;
+                        }
+                        for (int64_t d = 0; d < dh; d++)
+                            st(out, (it->b * hq + it->h0 + g) * dh + d, u->h[g * dh + d] / u->l[g],
+                               fmt);
+                    }
+                }
+            }
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < (amx ? 0 : b_count * per_split_g); g++) {
+                const int64_t b = g / per_split_g, first = unit_at[b] + g % per_split_g;
+                const int64_t splits = (unit_at[b + 1] - unit_at[b]) / per_split_g;
+                if (splits > 1)
+                    decode_join(g_units + first, splits, per_split_g, dh, hq, sinks, out, fmt);
             }
         }
         free(h);
         free(scores);
+        free(rows);
+        free(units);
+        free(qps);
     }
+    free(g_units), free(unit_at), free(g_parts);
 #if FT_AMX
     free(items), free(split_at), free(parts);
 #endif

@@ -83,25 +83,88 @@ static inline vf load_vec(const void *p, int64_t i, int fmt) {
 
 #define GMAX 8      /* q heads a pass over a kv head's keys and values serves */
 
-/* Rows this many keys ahead are asked into L1 as a loop over a sequence's keys reads them:
- * a paged cache's rows of one kv head lie hk * dh apart, so each key is its own cache
- * lines, and without it a thread had one or two of them in flight (the loop's work a key
- * fills the reorder window): an 8k context's decode attention ran at ~10x its K/V stream's
- * time on a 2-core EPYC. */
-#define PF_KEYS 8
-
 /* The element where key j's row of kv head kv starts in a paged cache [NB, BS, Hk, Dh]. */
 static inline int64_t key_row(const int32_t *table, int64_t j, int64_t bs, int64_t hk,
                               int64_t kv, int64_t dh) {
     return (((int64_t)table[j / bs] * bs + j % bs) * hk + kv) * dh;
 }
 
-/* Row `at` (dh elements in fmt) asked into L1. */
-static inline void prefetch_row(const void *p, int64_t at, int64_t dh, int fmt) {
-    const int64_t size = fmt == 2 ? 4 : 2;
-    const char *row = (const char *)p + at * size;
-    for (int64_t b = 0; b < dh * size; b += 64)
-        __builtin_prefetch(row + b, 0, 3);
+/* rows [k1 - k0]: where keys k0..k1-1's rows of kv head kv start (key_row's, a block at a
+ * time: no division a key). */
+static inline void key_rows(const int32_t *table, int64_t k0, int64_t k1, int64_t bs,
+                            int64_t hk, int64_t kv, int64_t dh, int64_t *rows) {
+    int64_t block = k0 / bs, off = k0 % bs;
+    for (int64_t j = 0; j < k1 - k0; j++) {
+        rows[j] = (((int64_t)table[block] * bs + off) * hk + kv) * dh;
+        if (++off == bs)
+            off = 0, block++;
+    }
+}
+
+/* The lane sums of 8 vectors, r[i] = sum of a[i]'s lanes: a tree of in-register shuffles
+ * and adds, 21 ops on AVX2 for all 8, where hsum one at a time is 6 each (a key's dots for 4
+ * q heads spent a sixth of a long context's decode attention in their hsums). */
+static inline __attribute__((always_inline)) void hsum8(const vf *a, float *r) {
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 h[8];
+    for (int i = 0; i < 8; i++) {
+#if VW == 16
+        h[i] = __builtin_shufflevector(a[i], a[i], 0, 1, 2, 3, 4, 5, 6, 7)
+            + __builtin_shufflevector(a[i], a[i], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+        h[i] = a[i];
+#endif
+    }
+    v8 x[4], y[2];
+    for (int i = 0; i < 4; i++)     /* per 128-bit half: [a(2i) 0+2, 1+3, a(2i+1) 0+2, 1+3] */
+        x[i] = __builtin_shufflevector(h[2 * i], h[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+            + __builtin_shufflevector(h[2 * i], h[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    for (int i = 0; i < 2; i++)     /* per half: the 4 vectors' sums of that half */
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 2, 8, 10, 4, 6, 12, 14)
+            + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+    const v8 s = __builtin_shufflevector(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11)
+        + __builtin_shufflevector(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    memcpy(r, &s, sizeof s);
+}
+
+/* q [nh, dh] (float32) packed for dots_keys: qp [dh / VW][nh] vectors (the loads of a
+ * vector of dh one base and constant offsets; from q's rows the heads' pointers spilled). */
+static inline void pack_heads(const float *q, int64_t nh, int64_t dh, vf *qp) {
+    for (int64_t d = 0; d + VW <= dh; d += VW)
+        for (int64_t g = 0; g < nh; g++)
+            memcpy(&qp[d / VW * nh + g], q + g * dh + d, sizeof(vf));
+}
+
+/* sc[c * nh + g] = (q_g . k_c) * scale for the nh q heads q [nh, dh] (float32; qp:
+ * pack_heads') and KB keys k_c (in fmt, at elements at[c]) of one kv head, nh * KB <= 8:
+ * each of a key's vectors widened once for all the heads, nh * KB independent sums (one
+ * key's 4 were a chain of FMAs as long as dh's vectors, waited on), their lanes summed by
+ * one hsum8, then the tail (one fixed order). Key-major: the sums are stored as hsum8 leaves
+ * them (head-major, they were 8 scalar stores, a quarter of the scores' time). */
+static inline __attribute__((always_inline)) void
+dots_keys(const float *q, const vf *qp, const int nh, const int KB, const void *k,
+          const int64_t *at, int64_t dh, const int fmt, float scale, float *sc) {
+    vf acc[8];
+    for (int i = 0; i < 8; i++)
+        acc[i] = (vf){0};
+    int64_t d = 0;
+    for (; d + VW <= dh; d += VW, qp += nh) {
+        vf kv[8];
+        for (int c = 0; c < KB; c++)
+            kv[c] = load_vec(k, at[c] + d, fmt);
+        for (int g = 0; g < nh; g++)
+            for (int c = 0; c < KB; c++)
+                acc[c * nh + g] += qp[g] * kv[c];
+    }
+    float s[8];
+    hsum8(acc, s);
+    if (d < dh)                                 /* (dh not a multiple of VW) */
+        for (int c = 0; c < KB; c++)
+            for (int g = 0; g < nh; g++)
+                for (int64_t e = d; e < dh; e++)
+                    s[c * nh + g] += q[g * dh + e] * load_as(k, at[c] + e, fmt);
+    for (int i = 0; i < KB * nh; i++)
+        sc[i] = s[i] * scale;
 }
 
 /* sc[g * stride] = (q_g . k) * scale for the nh (<= GMAX) q heads q [nh, dh] (float32)
@@ -153,60 +216,61 @@ add_scaled_heads(float *h, const float *p, int64_t stride, int64_t nh, const voi
 }
 
 /* add_scaled_heads over n rows for NH heads (a constant, up to GMAX): h_g += sum_j
- * p[g * stride + j] v_j, v_j (in fmt) at element rows[j]. The heads' sums stay in registers
- * across a block of rows, a slice of ROW_VECS vectors of dh at a time, the block's rows in
- * L2 between its slices (the per-row form loads and stores every head's sums for every row:
+ * p[g * gs + j * js] v_j (head-major probabilities: js 1, gs their stride; key-major: gs 1,
+ * js NH), v_j (in fmt) at element rows[j]. The heads' sums stay in registers
+ * across a block of rows, a slice of RV vectors of dh at a time, the block's rows in L2
+ * between its slices (the per-row form loads and stores every head's sums for every row:
  * most of MLA's long-context time); each element sums its rows in the same order with the
  * same fused multiply-adds, so the same bits. */
-#define ROW_VECS (VW == 16 ? 2 : 1)     /* GMAX x ROW_VECS sums, in AVX-512's 32 registers */
 #define ROW_BLOCK 256                   /* rows a block: MLA's 1152-byte latents, ~300 KB */
+
+/* One slice: dh's RV vectors from d on, over the block's rows. */
 static inline __attribute__((always_inline)) void
-add_scaled_block(float *h, const float *p, int64_t stride, const void *v, const int64_t *rows,
-                 int64_t n, int64_t dh, int fmt, const int NH) {
-    int64_t d = 0;
-    for (; d + ROW_VECS * VW <= dh; d += ROW_VECS * VW) {
-        vf acc[GMAX][ROW_VECS];
-        for (int g = 0; g < NH; g++)
-            for (int u = 0; u < ROW_VECS; u++)
-                memcpy(&acc[g][u], h + g * dh + d + u * VW, sizeof(vf));
-        for (int64_t j = 0; j < n; j++) {
-            vf vv[ROW_VECS];
-            for (int u = 0; u < ROW_VECS; u++)
-                vv[u] = load_vec(v, rows[j] + d + u * VW, fmt);
-            for (int g = 0; g < NH; g++) {
-                const float pg = p[g * stride + j];
-                for (int u = 0; u < ROW_VECS; u++)
-                    acc[g][u] += pg * vv[u];
-            }
+scaled_slice(float *h, const float *p, int64_t gs, int64_t js, const void *v, const int64_t *rows,
+             int64_t n, int64_t dh, int fmt, const int NH, const int RV, int64_t d) {
+    vf acc[GMAX][4];
+    for (int g = 0; g < NH; g++)
+        for (int u = 0; u < RV; u++)
+            memcpy(&acc[g][u], h + g * dh + d + u * VW, sizeof(vf));
+    for (int64_t j = 0; j < n; j++) {
+        vf vv[4];
+        for (int u = 0; u < RV; u++)
+            vv[u] = load_vec(v, rows[j] + d + u * VW, fmt);
+        for (int g = 0; g < NH; g++) {
+            const float pg = p[g * gs + j * js];
+            for (int u = 0; u < RV; u++)
+                acc[g][u] += pg * vv[u];
         }
-        for (int g = 0; g < NH; g++)
-            for (int u = 0; u < ROW_VECS; u++)
-                memcpy(h + g * dh + d + u * VW, &acc[g][u], sizeof(vf));
     }
-    for (int64_t j = 0; j < n; j++)             /* the rest of dh: the per-row form's */
-        for (int64_t e = d; e < dh; e += (dh - e >= VW ? VW : dh - e)) {
-            if (dh - e >= VW) {
-                const vf vv = load_vec(v, rows[j] + e, fmt);
-                for (int g = 0; g < NH; g++) {
-                    vf hv;
-                    memcpy(&hv, h + g * dh + e, sizeof hv);
-                    hv += p[g * stride + j] * vv;
-                    memcpy(h + g * dh + e, &hv, sizeof hv);
-                }
-            } else {
-                for (int64_t f = e; f < dh; f++) {
-                    const float vd = load_as(v, rows[j] + f, fmt);
-                    for (int g = 0; g < NH; g++)
-                        h[g * dh + f] += p[g * stride + j] * vd;
-                }
-            }
+    for (int g = 0; g < NH; g++)
+        for (int u = 0; u < RV; u++)
+            memcpy(h + g * dh + d + u * VW, &acc[g][u], sizeof(vf));
+}
+
+static inline __attribute__((always_inline)) void
+add_scaled_block(float *h, const float *p, int64_t gs, int64_t js, const void *v, const int64_t *rows,
+                 int64_t n, int64_t dh, int fmt, const int NH) {
+    /* RV: as many of a row's vectors a pass as leave the NH x RV sums, the row's vectors
+     * and a broadcast in registers (16 with AVX2, 32 with AVX-512). With 4 heads' sums of
+     * one vector a row, AVX2's FMAs were 4 chains, each waiting on its last. */
+    const int RV = VW == 16 ? (NH <= 4 ? 4 : 2) : (NH <= 2 ? 4 : NH <= 4 ? 2 : 1);
+    int64_t d = 0;
+    for (; d + RV * VW <= dh; d += RV * VW)
+        scaled_slice(h, p, gs, js, v, rows, n, dh, fmt, NH, RV, d);
+    for (; d + VW <= dh; d += VW)
+        scaled_slice(h, p, gs, js, v, rows, n, dh, fmt, NH, 1, d);
+    for (int64_t j = 0; j < n; j++)             /* the rest of dh, under a vector */
+        for (int64_t f = d; f < dh; f++) {
+            const float vd = load_as(v, rows[j] + f, fmt);
+            for (int g = 0; g < NH; g++)
+                h[g * dh + f] += p[g * gs + j * js] * vd;
         }
 }
 
 static inline void add_scaled_rows(float *h, const float *p, int64_t stride, const void *v,
                                    const int64_t *rows, int64_t n, int64_t dh, int fmt) {
     for (int64_t j0 = 0; j0 < n; j0 += ROW_BLOCK)
-        add_scaled_block(h, p + j0, stride, v, rows + j0, n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK,
+        add_scaled_block(h, p + j0, stride, 1, v, rows + j0, n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK,
                          dh, fmt, GMAX);
 }
 
