@@ -148,6 +148,7 @@ unit_values(const struct head_run *a, struct head_unit *u, const int NH, int64_t
  * in order, the hardware's alone kept up on contiguous blocks; a kv head's slice of each
  * row, without these, ran at ~10x its K/V stream's time on a 2-core EPYC.) */
 #define PF_KEYS 8
+#define VBLOCK 32          /* values a pass over the units (their rows' lines in L1 between) */
 
 /* A work item's units over its keys: each unit's scores, their softmax's numerators
  * e^(s - m) (m the largest score, or the sink's logit where that is larger), their sum l
@@ -162,10 +163,8 @@ attend_units(const struct head_run *a, struct head_unit *units, int64_t n_units,
     for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
         for (int64_t j = j0 + PF_KEYS; j < j1 + PF_KEYS && j < n; j++)
-            for (int64_t b = 0; b < bytes; b += 64) {
+            for (int64_t b = 0; b < bytes; b += 64)
                 __builtin_prefetch((const char *)a->k_cache + a->rows[j] * size + b, 0, 3);
-                __builtin_prefetch((const char *)a->v_cache + a->rows[j] * size + b, 0, 2);
-            }
         for (int64_t i = 0; i < n_units; i++) {
 #define SCORES(NH) unit_scores(a, &units[i], NH, j0, j1, fmt)
             BY_HEADS(units[i].nh, SCORES)
@@ -180,8 +179,11 @@ attend_units(const struct head_run *a, struct head_unit *units, int64_t n_units,
     }
     /* the values a block of keys at a time, the heads' sums of a slice of dh in registers
      * across the block (add_scaled_block; per key, every head's sums were loaded and stored) */
-    for (int64_t j0 = 0; j0 < n; j0 += ROW_BLOCK) {
-        const int64_t nb = n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK;
+    for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
+        const int64_t nb = n - j0 < VBLOCK ? n - j0 : VBLOCK;
+        for (int64_t j = j0 + PF_KEYS; j < j0 + nb + PF_KEYS && j < n; j++)
+            for (int64_t b = 0; b < bytes; b += 64)
+                __builtin_prefetch((const char *)a->v_cache + a->rows[j] * size + b, 0, 3);
         for (int64_t i = 0; i < n_units; i++) {
 #define VALUES(NH) unit_values(a, &units[i], NH, j0, nb, fmt)
             BY_HEADS(units[i].nh, VALUES)
