@@ -44,7 +44,7 @@ static inline void st(void *p, int64_t i, float f, int fmt) {
  * two threads' plain streams reach, as a copy of the loops with next to no arithmetic). */
 struct head_run {
     const void *k_cache, *v_cache;
-    const int64_t *rows;                    /* [n] where the keys' rows of its first kv head start */
+    const int64_t *rows;                    /* [n] its first kv head's rows of the keys */
     int64_t n, dh, width;                   /* width: the elements of a row it reads */
     int cfmt;
     float scale;
@@ -469,7 +469,8 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     int64_t n_g = 0, n_parts = 0, most_keys = 1, splits_all = 0;
     for (int64_t b = 0; !amx && b < b_count; b++) {
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        const int64_t n = lens[b] - first, splits = split_count(n), size = (n + splits - 1) / splits;
+        const int64_t n = lens[b] - first, splits = split_count(n);
+        const int64_t size = (n + splits - 1) / splits;
         n_g += splits * per_split_g;
         n_parts += splits > 1 ? splits * per_split_g : 0;
         most_keys = size > most_keys ? size : most_keys;
@@ -488,7 +489,8 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     }
     for (int64_t b = 0, i = 0, p = 0; !amx && b < b_count; b++) {
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        const int64_t n = lens[b] - first, splits = split_count(n), size = (n + splits - 1) / splits;
+        const int64_t n = lens[b] - first, splits = split_count(n);
+        const int64_t size = (n + splits - 1) / splits;
         unit_at[b] = i;
         for (int64_t s = 0; s < splits; s++)
             for (int64_t kv = 0; kv < hk; kv++)

@@ -217,17 +217,18 @@ add_scaled_heads(float *h, const float *p, int64_t stride, int64_t nh, const voi
 
 /* add_scaled_heads over n rows for NH heads (a constant, up to GMAX): h_g += sum_j
  * p[g * gs + j * js] v_j (head-major probabilities: js 1, gs their stride; key-major: gs 1,
- * js NH), v_j (in fmt) at element rows[j]. The heads' sums stay in registers
- * across a block of rows, a slice of RV vectors of dh at a time, the block's rows in L2
- * between its slices (the per-row form loads and stores every head's sums for every row:
+ * js NH), v_j (in fmt) at element rows[j]. The heads' sums stay in registers across a block
+ * of rows, a slice of RV vectors of dh at a time, the block's rows in cache between its
+ * slices (the per-row form loads and stores every head's sums for every row:
  * most of MLA's long-context time); each element sums its rows in the same order with the
  * same fused multiply-adds, so the same bits. */
 #define ROW_BLOCK 256                   /* rows a block: MLA's 1152-byte latents, ~300 KB */
 
 /* One slice: dh's RV vectors from d on, over the block's rows. */
 static inline __attribute__((always_inline)) void
-scaled_slice(float *h, const float *p, int64_t gs, int64_t js, const void *v, const int64_t *rows,
-             int64_t n, int64_t dh, int fmt, const int NH, const int RV, int64_t d) {
+scaled_slice(float *h, const float *p, int64_t gs, int64_t js, const void *v,
+             const int64_t *rows, int64_t n, int64_t dh, int fmt, const int NH, const int RV,
+             int64_t d) {
     vf acc[GMAX][4];
     for (int g = 0; g < NH; g++)
         for (int u = 0; u < RV; u++)
@@ -248,8 +249,8 @@ scaled_slice(float *h, const float *p, int64_t gs, int64_t js, const void *v, co
 }
 
 static inline __attribute__((always_inline)) void
-add_scaled_block(float *h, const float *p, int64_t gs, int64_t js, const void *v, const int64_t *rows,
-                 int64_t n, int64_t dh, int fmt, const int NH) {
+add_scaled_block(float *h, const float *p, int64_t gs, int64_t js, const void *v,
+                 const int64_t *rows, int64_t n, int64_t dh, int fmt, const int NH) {
     /* RV: as many of a row's vectors a pass as leave the NH x RV sums, the row's vectors
      * and a broadcast in registers (16 with AVX2, 32 with AVX-512). With 4 heads' sums of
      * one vector a row, AVX2's FMAs were 4 chains, each waiting on its last. */
@@ -270,8 +271,8 @@ add_scaled_block(float *h, const float *p, int64_t gs, int64_t js, const void *v
 static inline void add_scaled_rows(float *h, const float *p, int64_t stride, const void *v,
                                    const int64_t *rows, int64_t n, int64_t dh, int fmt) {
     for (int64_t j0 = 0; j0 < n; j0 += ROW_BLOCK)
-        add_scaled_block(h, p + j0, stride, 1, v, rows + j0, n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK,
-                         dh, fmt, GMAX);
+        add_scaled_block(h, p + j0, stride, 1, v, rows + j0,
+                         n - j0 < ROW_BLOCK ? n - j0 : ROW_BLOCK, dh, fmt, GMAX);
 }
 
 /* One head [dh] of a token: RMSNorm (when w), then RoPE over its first r dims, in float32. */
