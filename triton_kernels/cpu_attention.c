@@ -145,7 +145,8 @@ unit_values(const struct head_run *a, struct head_unit *u, const int NH, int64_t
     }
 
 #define KEY_BLOCK 16        /* keys a pass over the units (their rows' lines in L1 between) */
-/* Rows this many keys ahead are asked into L1 as each pass reads its keys: a paged cache's
+/* Rows up to this many keys ahead are asked into L1 as each pass reads its keys (pf: fewer
+ * where rows are long): a paged cache's
  * blocks lie where the allocator put them, and a block of 16 keys is too short a stream
  * for the hardware's prefetch to learn. (Whole rows in order, the hardware's alone kept
  * up on contiguous blocks; a kv head's slice of each row, without these, ran at ~10x its
@@ -160,11 +161,16 @@ unit_values(const struct head_run *a, struct head_unit *u, const int NH, int64_t
 static inline __attribute__((always_inline)) void
 attend_units(const struct head_run *a, struct head_unit *units, int64_t n_units, const int fmt) {
     const int64_t n = a->n, dh = a->dh, size = fmt == 2 ? 4 : 2, bytes = a->width * size;
+    /* rows asked for ahead: PF_BYTES' worth, 1 to PF_KEYS of them (4 or 8 kv heads of 128
+     * dims are 1-2 KB a row: 8 rows ahead would ask for more lines than L1 has room or
+     * misses in flight for) */
+    const int64_t pf = PF_BYTES / bytes < 1 ? 1 : PF_BYTES / bytes > PF_KEYS ? PF_KEYS
+                                                                         : PF_BYTES / bytes;
     /* The scores, KEY_BLOCK keys at a time for all the units, the rows asked for PF_KEYS
      * ahead: DRAM sees the keys' rows in order, each read whole. */
     for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
-        for (int64_t j = j0 + PF_KEYS; j < j1 + PF_KEYS && j < n; j++)
+        for (int64_t j = j0 + pf; j < j1 + pf && j < n; j++)
             for (int64_t b = 0; b < bytes; b += 64)
                 __builtin_prefetch((const char *)a->k_cache + a->rows[j] * size + b, 0, 3);
         for (int64_t i = 0; i < n_units; i++) {
@@ -185,7 +191,7 @@ attend_units(const struct head_run *a, struct head_unit *units, int64_t n_units,
      * (an item's keys and values, 512 KB, fill an EPYC's L2) and read again strided. */
     for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
         const int64_t nb = n - j0 < VBLOCK ? n - j0 : VBLOCK;
-        for (int64_t j = j0 + PF_KEYS; j < j0 + nb + PF_KEYS && j < n; j++)
+        for (int64_t j = j0 + pf; j < j0 + nb + pf && j < n; j++)
             for (int64_t b = 0; b < bytes; b += 64)
                 __builtin_prefetch((const char *)a->v_cache + a->rows[j] * size + b, 0, 3);
         for (int64_t i = 0; i < n_units; i++) {
