@@ -146,11 +146,10 @@ unit_values(const struct head_run *a, struct head_unit *u, const int NH, int64_t
 
 #define KEY_BLOCK 16        /* keys a pass over the units (their rows' lines in L1 between) */
 /* Rows up to this many keys ahead are asked into L1 as each pass reads its keys (pf: fewer
- * where rows are long): a paged cache's
- * blocks lie where the allocator put them, and a block of 16 keys is too short a stream
- * for the hardware's prefetch to learn. (Whole rows in order, the hardware's alone kept
- * up on contiguous blocks; a kv head's slice of each row, without these, ran at ~10x its
- * K/V stream's time on a 2-core EPYC.) */
+ * where rows are long): a paged cache's blocks lie where the allocator put them, and a
+ * block of 16 keys is too short a stream for the hardware's prefetch to learn. (Whole rows
+ * in order, the hardware's alone kept up on contiguous blocks; a kv head's slice of each
+ * row, without these, ran at ~10x its K/V stream's time on a 2-core EPYC.) */
 #define PF_KEYS 8
 #define VBLOCK 32          /* values a pass over the units (their rows' lines in L1 between) */
 
