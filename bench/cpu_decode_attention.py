@@ -18,24 +18,13 @@ is shared: compare ratios, not milliseconds across runs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # this checkout's freetoken
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from cpu_attention import median_ms  # noqa: E402 - bench/, the script's own folder
 
 
 def case(hq: int, hk: int, d: int, batch: int, context: int, g: torch.Generator) -> dict:

@@ -153,25 +153,31 @@ unit_values(const struct head_run *a, struct head_unit *u, const int NH, int64_t
 #define PF_KEYS 8
 #define VBLOCK 32          /* values a pass over the units (their rows' lines in L1 between) */
 
+/* The cache's rows (the run's width) of the keys a pass will read after j0..j1-1 asked
+ * into L1: PF_BYTES' worth ahead, 1 to PF_KEYS rows (4 or 8 kv heads of 128 dims are 1-2
+ * KB a row: 8 rows ahead would ask for more lines than L1 has room or misses in flight for). */
+static inline __attribute__((always_inline)) void
+ask_rows(const struct head_run *a, const void *cache, int64_t j0, int64_t j1, const int fmt) {
+    const int64_t size = fmt == 2 ? 4 : 2, bytes = a->width * size;
+    const int64_t pf = PF_BYTES / bytes < 1 ? 1 : PF_BYTES / bytes > PF_KEYS ? PF_KEYS
+                                                                         : PF_BYTES / bytes;
+    for (int64_t j = j0 + pf; j < j1 + pf && j < a->n; j++)
+        for (int64_t b = 0; b < bytes; b += 64)
+            __builtin_prefetch((const char *)cache + a->rows[j] * size + b, 0, 3);
+}
+
 /* A work item's units over its keys: each unit's scores, their softmax's numerators
  * e^(s - m) (m the largest score, or the sink's logit where that is larger), their sum l
  * (with the sink's e^(sink - m)) and h = sum_j e^(s_j - m) v_j. The cache's format fmt a
  * constant at each call (attend): its loads' branches out of the loops. */
 static inline __attribute__((always_inline)) void
 attend_units(const struct head_run *a, struct head_unit *units, int64_t n_units, const int fmt) {
-    const int64_t n = a->n, dh = a->dh, size = fmt == 2 ? 4 : 2, bytes = a->width * size;
-    /* rows asked for ahead: PF_BYTES' worth, 1 to PF_KEYS of them (4 or 8 kv heads of 128
-     * dims are 1-2 KB a row: 8 rows ahead would ask for more lines than L1 has room or
-     * misses in flight for) */
-    const int64_t pf = PF_BYTES / bytes < 1 ? 1 : PF_BYTES / bytes > PF_KEYS ? PF_KEYS
-                                                                         : PF_BYTES / bytes;
-    /* The scores, KEY_BLOCK keys at a time for all the units, the rows asked for PF_KEYS
-     * ahead: DRAM sees the keys' rows in order, each read whole. */
+    const int64_t n = a->n, dh = a->dh;
+    /* The scores, KEY_BLOCK keys at a time for all the units, the rows asked for ahead:
+     * DRAM sees the keys' rows in order, each read whole. */
     for (int64_t j0 = 0; j0 < n; j0 += KEY_BLOCK) {
         const int64_t j1 = j0 + KEY_BLOCK < n ? j0 + KEY_BLOCK : n;
-        for (int64_t j = j0 + pf; j < j1 + pf && j < n; j++)
-            for (int64_t b = 0; b < bytes; b += 64)
-                __builtin_prefetch((const char *)a->k_cache + a->rows[j] * size + b, 0, 3);
+        ask_rows(a, a->k_cache, j0, j1, fmt);
         for (int64_t i = 0; i < n_units; i++) {
 #define SCORES(NH) unit_scores(a, &units[i], NH, j0, j1, fmt)
             BY_HEADS(units[i].nh, SCORES)
@@ -190,9 +196,7 @@ attend_units(const struct head_run *a, struct head_unit *units, int64_t n_units,
      * (an item's keys and values, 512 KB, fill an EPYC's L2) and read again strided. */
     for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
         const int64_t nb = n - j0 < VBLOCK ? n - j0 : VBLOCK;
-        for (int64_t j = j0 + pf; j < j0 + nb + pf && j < n; j++)
-            for (int64_t b = 0; b < bytes; b += 64)
-                __builtin_prefetch((const char *)a->v_cache + a->rows[j] * size + b, 0, 3);
+        ask_rows(a, a->v_cache, j0, j0 + nb, fmt);
         for (int64_t i = 0; i < n_units; i++) {
 #define VALUES(NH) unit_values(a, &units[i], NH, j0, nb, fmt)
             BY_HEADS(units[i].nh, VALUES)
