@@ -9,6 +9,7 @@
 #                                      #   (never yet run on CUDA), their tests and benches
 #   bash bench/gpu_check.sh cpu-experts  # ~5 min: bw, the CPU's MoE products, the CPU arms
 #                                      #   (and whether its AVX2 FMAs take denormals at speed)
+#   bash bench/gpu_check.sh cpu-attention  # ~1 min: the CPU decode attention's AVX-512 forms
 #   bash bench/gpu_check.sh waves      # ~4 min: #21 part 2, cache sizes from top_k to all
 #   bash bench/gpu_check.sh session    # ~5 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
@@ -26,7 +27,7 @@
 # $OUT/<part>, packed at the end into $OUT/results.tgz: one file back, not one per result.
 set -uo pipefail
 [ $# -gt 0 ] || set -- kernels
-PARTS="kernels serve offload models cpu-experts waves session"
+PARTS="kernels serve offload models cpu-experts cpu-attention waves session"
 for PART in "$@"; do
   case " $PARTS " in *" $PART "*) ;; *)
     echo "unknown part $PART: one of $PARTS" >&2
@@ -125,6 +126,19 @@ cpu-experts)
   timeout 80 python3 bench/offload.py --model /tmp/offload-model --skip-transformers \
     --decode-tokens 16 --batches 1,8 --prefill-tokens 0 --arms cpu,hybrid \
     --moe-cpu-threads $(( $(nproc) - 1 )) 2>&1 | tee -a "$OUT/offload.txt"
+  ;;
+cpu-attention)
+  # The CPU decode attention's AVX-512 forms (cpu_heads.h's hsum8 folding 16 lanes,
+  # softmax_keys' lane periods; the development machine has AVX2 only) against the torch
+  # path, then one layer's decode step on all cores but one: the key splits keep the
+  # threads busy at batch 1 (bf16 16-key blocks take the AMX tiles where this CPU has them).
+  # Timeouts summing to 120 s.
+  echo "== tests/test_cpu_decode.py -k attention, this CPU's native build"
+  timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_decode.py -k attention \
+    2>&1 | tail -5 | tee "$OUT/cpu_attention_tests.txt"
+  echo "== bench/cpu_decode_attention.py on all cores but one"
+  timeout 50 python3 bench/cpu_decode_attention.py --threads $(( $(nproc) - 1 )) \
+    --contexts 8192,32768 --batches 1 --reps 5 2>&1 | tee "$OUT/cpu_decode_attention.txt"
   ;;
 waves)
   # #21 part 2 on the link it is for: every cache size from top_k slots to every expert
