@@ -223,6 +223,15 @@ static inline int64_t split_count(int64_t n) {
     return s < SPLIT_MOST ? s : SPLIT_MOST;
 }
 
+/* A sequence of len keys after this step, seen from key *first on (a window's), in *splits
+ * runs of *size keys (the last one shorter). */
+static inline void seq_splits(int64_t len, int64_t window, int64_t *first, int64_t *splits,
+                              int64_t *size) {
+    *first = window > 0 && len > window ? len - window : 0;
+    *splits = split_count(len - *first);
+    *size = (len - *first + *splits - 1) / *splits;
+}
+
 /* A work item of step 2 (either path): its sequence, kv head, q heads h0..h0+nh-1 and keys
  * k0..k1-1; part: its partial softmax where the sequence's keys are split (m [16], l [16],
  * O [nh, dh], joined by decode_join), else NULL. */
@@ -477,9 +486,8 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     const int64_t part_g = 32 + chunk * dh;
     int64_t n_g = 0, n_parts = 0, most_keys = 1, splits_all = 0;
     for (int64_t b = 0; !amx && b < b_count; b++) {
-        const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        const int64_t n = lens[b] - first, splits = split_count(n);
-        const int64_t size = (n + splits - 1) / splits;
+        int64_t first, splits, size;
+        seq_splits(lens[b], window, &first, &splits, &size);
         n_g += splits * per_split_g;
         n_parts += splits > 1 ? splits * per_split_g : 0;
         most_keys = size > most_keys ? size : most_keys;
@@ -497,9 +505,8 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
         return -1;
     }
     for (int64_t b = 0, i = 0, p = 0; !amx && b < b_count; b++) {
-        const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        const int64_t n = lens[b] - first, splits = split_count(n);
-        const int64_t size = (n + splits - 1) / splits;
+        int64_t first, splits, size;
+        seq_splits(lens[b], window, &first, &splits, &size);
         unit_at[b] = i;
         for (int64_t s = 0; s < splits; s++)
             for (int64_t kv = 0; kv < hk; kv++)
@@ -553,8 +560,9 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                     }
                 }
             }                               /* (the for's implicit barrier) */
-            /* 2. Per (sequence, kv head, chunk of its q heads): softmax(q.k * scale) . v over
-             *    the keys (the window's), a sink's logit joining the softmax without a value. */
+            /* 2. Per split of a sequence's keys (the window's) and chunk of a kv head's q
+             *    heads: softmax(q.k * scale) . v, partial where the keys are split, the splits
+             *    joined by their maxes, a sink's logit joining the softmax without a value. */
 #if FT_AMX
             if (amx) {
                 load_tiles();
