@@ -9,7 +9,7 @@
 #                                      #   (never yet run on CUDA), their tests and benches
 #   bash bench/gpu_check.sh cpu-experts  # ~5 min: bw, the CPU's MoE products, the CPU arms
 #                                      #   (and whether its AVX2 FMAs take denormals at speed)
-#   bash bench/gpu_check.sh cpu-attention  # ~1 min: the CPU decode attention's AVX-512 forms
+#   bash bench/gpu_check.sh cpu-attention  # ~2 min: the CPU attentions' AVX-512 forms
 #   bash bench/gpu_check.sh waves      # ~4 min: #21 part 2, cache sizes from top_k to all
 #   bash bench/gpu_check.sh session    # ~5 min: kernels, bw and offload (with #21's cpu arm)
 #                                      #   trimmed into one call, for a session's only lease
@@ -132,13 +132,18 @@ cpu-attention)
   # softmax_keys' lane periods; the development machine has AVX2 only) against the torch
   # path, then one layer's decode step on all cores but one: the key splits keep the
   # threads busy at batch 1 (bf16 16-key blocks take the AMX tiles where this CPU has them).
-  # Timeouts summing to 120 s.
-  echo "== tests/test_cpu_decode.py -k attention, this CPU's native build"
-  timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_decode.py -k attention \
-    2>&1 | tail -5 | tee "$OUT/cpu_attention_tests.txt"
+  # Then the prefill attention's vector kernel (cpu_flash_attention.c) in its AVX-512 form
+  # (12 x 2 score tiles of 16 lanes) and the AMX one, tested, and timed against torch's path.
+  # Timeouts summing to 180 s.
+  echo "== tests/test_cpu_decode.py -k attention, tests/test_cpu_prefill_attention.py"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_decode.py -k attention \
+    tests/test_cpu_prefill_attention.py 2>&1 | tail -5 | tee "$OUT/cpu_attention_tests.txt"
   echo "== bench/cpu_decode_attention.py on all cores but one"
   timeout 50 python3 bench/cpu_decode_attention.py --threads $(( $(nproc) - 1 )) \
     --contexts 8192,32768 --batches 1 --reps 5 2>&1 | tee "$OUT/cpu_decode_attention.txt"
+  echo "== bench/cpu_attention.py --kernel vector (prefill) on all cores but one"
+  timeout 30 python3 bench/cpu_attention.py --kernel vector --threads $(( $(nproc) - 1 )) \
+    --shapes 32/4x128 --lengths 4096 --reps 3 2>&1 | tee "$OUT/cpu_prefill_attention.txt"
   ;;
 waves)
   # #21 part 2 on the link it is for: every cache size from top_k slots to every expert

@@ -37,7 +37,7 @@ from triton_kernels.cpu_native import (NativeBank, NativeFp8Bank, NativeInt4Bank
                                        bound_moe, has_amx_bf16, int4_alike, int4_group_pairs,
                                        int4_scales, native_kernels)
 from triton_kernels.cpu_linear import CpuLinear, QuantRows, cpu_linear
-from triton_kernels.cpu_amx_attention import CpuPrefillAttention
+from triton_kernels.cpu_prefill_attention import CpuPrefillAttention
 from triton_kernels.cpu_attention import CpuDecodeAttention
 from triton_kernels.cpu_gated_delta import CpuGatedDelta, GdnDecodeCall
 from triton_kernels.cpu_mla import CpuMlaDecode

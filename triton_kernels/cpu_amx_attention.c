@@ -40,16 +40,29 @@
  * block id outside the cache, -3 shapes it does not take, -4 scratch too small.
  */
 #include "cpu_amx.h"
+#include "cpu_prefill.h"
 
 #define COLS 32              /* columns (query, head) of a work item: 2 B tiles */
 #define KEYS 64              /* keys of a softmax block: 4 key tiles */
 #define TILE_BYTES 1024
 
-/* Bytes of sequence b's V^T copy for one kv head: its keys from the first any of its
- * queries sees (aligned down to 32) to its end, in 32-key chunks of Dv / 16 A tiles. */
-static int64_t pack_bytes(int64_t n_q, int64_t len, int64_t window, int64_t dv) {
-    const int64_t first = window && len - n_q - window + 1 > 0 ? (len - n_q - window + 1) & ~31 : 0;
-    return (len - first + 31) / 32 * (dv / 16) * TILE_BYTES;
+/* A pair's V^T copy: its keys from the first any of its queries sees (aligned down to 32) to
+ * its end, in 32-key chunks of Dv / 16 A tiles. */
+static int64_t pack_first(int64_t n_q, int64_t len, int64_t window) {
+    return prefill_first(n_q, len, window) & ~31;
+}
+
+static int64_t pack_chunks(int64_t n_q, int64_t len, int64_t window) {
+    return (len - pack_first(n_q, len, window) + 31) / 32;
+}
+
+struct amx_shape {
+    int64_t dv, window;
+};
+
+static int64_t pair_bytes(int64_t n_q, int64_t len, const void *shape) {
+    const struct amx_shape *f = shape;
+    return pack_chunks(n_q, len, f->window) * (f->dv / 16) * TILE_BYTES;
 }
 
 /* A thread's own buffers: packed q, S^T, P^T, O^T. */
@@ -58,22 +71,12 @@ static int64_t thread_bytes(int64_t dk, int64_t dv) {
         + (dv / 16) * 2 * TILE_BYTES;
 }
 
-/* Scratch for a call: each thread's buffers, and the V^T copies of as many (sequence, kv
- * head) pairs at once as pack_cap bytes hold (at least the largest one's). */
 int64_t ft_attn_amx_scratch(const int32_t *cu, const int32_t *lens, int64_t b_count,
                             int64_t min_q, int64_t hk, int64_t dk, int64_t dv, int64_t window,
                             int threads, int64_t pack_cap) {
-    int64_t total = 0, most = 0;
-    for (int64_t b = 0; b < b_count; b++) {
-        if (cu[b + 1] - cu[b] < min_q)
-            continue;
-        const int64_t n = pack_bytes(cu[b + 1] - cu[b], lens[b], window, dv);
-        total += n * hk;
-        most = n > most ? n : most;
-    }
-    const int64_t packs = total < pack_cap ? total : pack_cap;
-    return (threads < 1 ? 1 : threads) * thread_bytes(dk, dv) + (packs > most ? packs : most)
-        + 64;
+    const struct amx_shape f = {dv, window};
+    return prefill_scratch(cu, lens, b_count, min_q, hk, threads, thread_bytes(dk, dv), pack_cap,
+                           pair_bytes, &f);
 }
 
 #if FT_AMX
@@ -88,13 +91,6 @@ struct attn {
     float scale;
 };
 
-/* A (sequence, kv head) pair of the group at work: where its V^T copy lies and from which
- * key (a multiple of 32) it starts; its work items are item0.. item0 + blocks - 1. */
-struct pair {
-    int64_t b, h, first, chunks, item0, blocks;
-    uint16_t *vt;
-};
-
 static inline const uint16_t *key_row(const struct attn *a, int64_t b, int64_t h, int64_t j) {
     const int64_t block = a->tables[b * a->tstride + j / a->bs];
     return a->kc + block * a->ksb + (j % a->bs) * a->kss + h * a->ksh;
@@ -105,10 +101,12 @@ static inline const uint16_t *value_row(const struct attn *a, int64_t b, int64_t
     return a->vc + block * a->vsb + (j % a->bs) * a->vss + h * a->vsh;
 }
 
-/* Phase 1: chunk ch (keys first + 32 ch ..) of a pair's V^T: for each 16 value dims, an A tile
- * [16 dims, 32 keys]; keys past the sequence's end are zeros (a probability 0 times a stale
- * value would still be a nan where the value is one). */
-static void pack_values(const struct attn *a, const struct pair *p, int64_t ch) {
+/* Phase 1: chunk ch (keys first + 32 ch ..) of a pair's V^T (its copy, from first, a multiple
+ * of 32): for each 16 value dims, an A tile [16 dims, 32 keys]; keys past the sequence's end
+ * are zeros (a probability 0 times a stale value would still be a nan where the value is
+ * one). */
+static void pack_values(const void *at, const struct prefill_pair *p, int64_t ch) {
+    const struct attn *a = at;
     const int64_t len = a->lens[p->b], j0 = p->first + 32 * ch, dt_count = a->dv / 16;
     for (int64_t dt = 0; dt < dt_count; dt++) {
         __m512 r[16];
@@ -122,14 +120,15 @@ static void pack_values(const struct attn *a, const struct pair *p, int64_t ch) 
                 _mm512_cvtepu16_epi32(ve), _mm512_slli_epi32(_mm512_cvtepu16_epi32(vo), 16)));
         }
         transpose16(r);                          /* r[d]: dim d's 32 keys */
-        uint16_t *tile = p->vt + (ch * dt_count + dt) * (TILE_BYTES / 2);
+        uint16_t *tile = (uint16_t *)p->copy + (ch * dt_count + dt) * (TILE_BYTES / 2);
         for (int d = 0; d < 16; d++)
             _mm512_store_ps((float *)(tile + 32 * d), r[d]);
     }
 }
 
 /* Phase 2: work item rb of a pair: columns 32 rb .. of its (query, head) pairs. */
-static void attend(const struct attn *a, const struct pair *p, int64_t rb, uint8_t *mine) {
+static void attend(const void *at, const struct prefill_pair *p, int64_t rb, uint8_t *mine) {
+    const struct attn *a = at;
     const int64_t g_count = a->hq / a->hk, b = p->b, h = p->h;
     const int64_t n_q = a->cu[b + 1] - a->cu[b], len = a->lens[b], p0 = len - n_q;
     const int64_t c0 = rb * COLS, n_cols = n_q * g_count - c0 < COLS ? n_q * g_count - c0 : COLS;
@@ -266,7 +265,7 @@ static void attend(const struct attn *a, const struct pair *p, int64_t rb, uint8
             l[ct] = _mm512_add_ps(l[ct], sum);
         }
         /* O^T += V^T P^T: the block's P^T tiles stay in 4-7 across the value dims */
-        const uint16_t *vt = p->vt + ((j0 - p->first) / 32) * dt_count * 512;
+        const uint16_t *vt = (const uint16_t *)p->copy + ((j0 - p->first) / 32) * dt_count * 512;
         _tile_loadd(4, pt, 64);
         _tile_loadd(5, pt + 512, 64);
         if (chunks == 2) {
@@ -319,6 +318,8 @@ static void attend(const struct attn *a, const struct pair *p, int64_t rb, uint8
         }
 }
 
+static void release_tiles(void) { _tile_release(); }
+
 #endif
 
 int ft_attn_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -330,19 +331,14 @@ int ft_attn_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_ca
                 int threads, void *scratch, int64_t scratch_bytes, int64_t pack_cap,
                 uint16_t *out) {
 #if !FT_AMX
-    return -1;            /* no AMX-BF16 in this build: the caller keeps torch's attention */
+    return -1;            /* no AMX-BF16 in this build: the caller takes the vector kernel */
 #else
     if (dk <= 0 || dk % 32 || dk > 256 || dv <= 0 || dv % 16 || dv > 256 || bs <= 0 || bs % 16
             || hk <= 0 || hq % hk || window < 0)
         return -3;
-    for (int64_t b = 0; b < b_count; b++) {
-        const int64_t n_q = cu[b + 1] - cu[b];
-        if (n_q < 0 || lens[b] < n_q)
-            return -3;
-        for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; i++)
-            if (i >= tstride || tables[b * tstride + i] < 0 || tables[b * tstride + i] >= nb)
-                return -2;
-    }
+    const int rc = prefill_check(cu, lens, b_count, tables, tstride, nb, bs);
+    if (rc)
+        return rc;
     if (threads < 1)
         threads = 1;
     if (scratch_bytes < ft_attn_amx_scratch(cu, lens, b_count, min_q, hk, dk, dv, window,
@@ -352,69 +348,22 @@ int ft_attn_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_ca
         return -1;
     const struct attn a = {q, k_cache, v_cache, tables, cu, lens, sinks, out, hq, hk, dk, dv,
                            bs, tstride, window, ksb, kss, ksh, vsb, vss, vsh, scale};
+    const struct amx_shape f = {dv, window};
     const int64_t g_count = hq / hk, pairs = b_count * hk;
-    uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    uint8_t *packs = base + threads * thread_bytes(dk, dv);
-    struct pair *pr = malloc((pairs > 0 ? pairs : 1) * sizeof *pr);
+    struct prefill_pair *pr = malloc((pairs > 0 ? pairs : 1) * sizeof *pr);
     if (!pr)
         return -4;
     for (int64_t i = 0; i < pairs; i++) {
         const int64_t b = i / hk, n_q = cu[b + 1] - cu[b], own = n_q >= min_q;
-        const int64_t first = window && lens[b] - n_q - window + 1 > 0
-            ? (lens[b] - n_q - window + 1) & ~31 : 0;
-        pr[i] = (struct pair){b, i % hk, first, own ? (lens[b] - first + 31) / 32 : 0, 0,
-                              own ? (n_q * g_count + COLS - 1) / COLS : 0, NULL};
+        pr[i] = (struct prefill_pair){
+            b, i % hk, pack_first(n_q, lens[b], window),
+            own ? pack_chunks(n_q, lens[b], window) : 0, own ? pair_bytes(n_q, lens[b], &f) : 0,
+            0, own ? (n_q * g_count + COLS - 1) / COLS : 0, NULL};
     }
-    /* Pairs in groups whose V^T copies fit pack_cap together (a pair alone always fits):
-     * each group's copies are made (phase 1), then its items run (phase 2). */
-    int64_t g0 = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        load_tiles();
-        uint8_t *mine = base + omp_get_thread_num() * thread_bytes(dk, dv);
-        int64_t start = 0;
-        while (start < pairs) {
-            int64_t end = start, used = 0, items = 0, chunks = 0;
-            while (end < pairs) {
-                const int64_t n = pr[end].chunks * (dv / 16) * TILE_BYTES;
-                if (end > start && used + n > pack_cap)
-                    break;
-                used += n, end++;
-            }
-#pragma omp barrier
-#pragma omp single
-            {
-                int64_t at = 0;
-                for (int64_t i = start; i < end; i++) {
-                    pr[i].vt = (uint16_t *)(packs + at);
-                    at += pr[i].chunks * (dv / 16) * TILE_BYTES;
-                    pr[i].item0 = items;
-                    items += pr[i].blocks;
-                }
-                g0 = items;
-            }                                    /* (a barrier) */
-            items = g0;
-            for (int64_t i = start; i < end; i++)
-                chunks += pr[i].chunks;
-#pragma omp for schedule(static)
-            for (int64_t c = 0; c < chunks; c++) {
-                int64_t i = start, rest = c;
-                while (rest >= pr[i].chunks)
-                    rest -= pr[i++].chunks;
-                pack_values(&a, &pr[i], rest);
-            }
-            /* later blocks of a sequence see more keys: handed out first */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++) {
-                int64_t i = start;
-                while (it >= pr[i].item0 + pr[i].blocks)
-                    i++;
-                attend(&a, &pr[i], pr[i].blocks - 1 - (it - pr[i].item0), mine);
-            }
-            start = end;
-        }
-        _tile_release();
-    }
+    uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    const struct prefill_ops ops = {pack_values, attend, load_tiles, release_tiles};
+    prefill_run(&a, &ops, pr, pairs, base, thread_bytes(dk, dv),
+                base + threads * thread_bytes(dk, dv), pack_cap, threads);
     free(pr);
     return 0;
 #endif

@@ -53,6 +53,50 @@ static inline __attribute__((always_inline)) vf vexp(vf x) {
     return p * a * b;
 }
 
+/* Lane by lane: where m, a, else b; the larger of a and b. */
+static inline __attribute__((always_inline)) vf vsel(vi32 m, vf a, vf b) {
+    return (vf)(((vi32)a & m) | ((vi32)b & ~m));
+}
+
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) {
+#if VW == 16
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return vsel(a > b, a, b);
+#endif
+}
+
+/* 2^x, ~1e-7 relative (Cephes' exp2f polynomial on x - round(x), then 2^n in the exponent
+ * bits); exactly 0 below -126, -inf too, so no value product meets a denormal (an Intel
+ * core's assist). The softmax's x are at most ~0 (scores less their running max), a sink's
+ * logit less it at most 127. ~15 ops a vector, vexp's ~25: cpu_flash_attention.c's
+ * exps were a fifth of its call. */
+static inline __attribute__((always_inline)) vf vexp2(vf x) {
+    const vi32 live = x >= -126.f;
+    x = vmax(x, (vf){0} - 126.f);
+    vf n;
+#if VW == 16
+    n = (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX__)
+    n = (vf)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+    for (int i = 0; i < VW; i++)
+        n[i] = nearbyintf(x[i]);
+#endif
+    const vf f = x - n;
+    vf p = (vf){0} + 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.f;
+    const vi32 e = (__builtin_convertvector(n, vi32) + 127) << 23;
+    return vsel(live, p * (vf)e, (vf){0});
+}
+
 /* p[j] = exp(p[j] - m) over n scores, VW at a time (vexp; libm's expf for the rest): their
  * sum. A softmax's numerators, m its largest score. */
 static inline float exps_less(float *p, int64_t n, float m) {

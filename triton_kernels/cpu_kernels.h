@@ -59,6 +59,16 @@ int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64
                   const int64_t *slots, const int32_t *tables, int64_t max_blocks,
                   const int32_t *lens, const void *w_kvb, float scale, int threads,
                   float *scratch, void *out);
+int64_t ft_attn_flash_scratch(const int32_t *cu, const int32_t *lens, int64_t b_count,
+                              int64_t min_q, int64_t hk, int64_t dk, int64_t dv,
+                              int64_t window, int threads, int64_t pack_cap);
+int ft_attn_flash(const void *q, const void *k_cache, const void *v_cache, int fmt, int64_t nb,
+                  int64_t ksb, int64_t kss, int64_t ksh, int64_t vsb, int64_t vss, int64_t vsh,
+                  const int32_t *tables, int64_t tstride, const int32_t *cu,
+                  const int32_t *lens, int64_t b_count, int64_t min_q, int64_t hq, int64_t hk,
+                  int64_t dk, int64_t dv, int64_t bs, float scale, int64_t window,
+                  const float *sinks, int threads, void *scratch, int64_t scratch_bytes,
+                  int64_t pack_cap, void *out);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
 
 #endif

@@ -51,10 +51,10 @@ log = logging.getLogger("freetoken.kernels")
 
 _HERE = Path(__file__).parent
 # compiled together into one library
-_SOURCES = ("cpu_moe.c", "cpu_amx.c", "cpu_amx_attention.c", "cpu_linear.c", "cpu_attention.c",
-            "cpu_norm.c", "cpu_route.c", "cpu_program.c", "cpu_gated_delta.c", "cpu_gates.c",
-            "cpu_mla.c")
-_HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h", "cpu_heads.h")
+_SOURCES = ("cpu_moe.c", "cpu_amx.c", "cpu_amx_attention.c", "cpu_flash_attention.c",
+            "cpu_linear.c", "cpu_attention.c", "cpu_norm.c", "cpu_route.c", "cpu_program.c",
+            "cpu_gated_delta.c", "cpu_gates.c", "cpu_mla.c")
+_HEADERS = ("cpu_dot.h", "cpu_kernels.h", "cpu_amx.h", "cpu_heads.h", "cpu_prefill.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")  # in the key
 _FORMATS = {torch.bfloat16: 0, torch.float16: 1}
 E4M3 = getattr(torch, "float8_e4m3fn", None)
@@ -98,6 +98,15 @@ class NativeKernels:
         fn.argtypes = [p, p, i64, i64, i64, i64, i64, i64, c_int, i64]
         fn.restype = i64
         self.attn_amx_scratch = fn
+        fn = lib.ft_attn_flash          # cpu_flash_attention.c: the same in vector registers
+        fn.argtypes = [p, p, p, c_int, *[i64] * 7, p, i64, p, p, *[i64] * 7, c_float, i64, p,
+                       c_int, p, i64, i64, p]
+        fn.restype = c_int
+        self.attn_flash_fn = fn
+        fn = lib.ft_attn_flash_scratch
+        fn.argtypes = [p, p, i64, i64, i64, i64, i64, i64, c_int, i64]
+        fn.restype = i64
+        self.attn_flash_scratch = fn
         fn = lib.ft_int4_decode
         fn.argtypes = [p, p, c_int, p, i64, i64, i64, i64, p, c_int]
         fn.restype = None

@@ -82,7 +82,7 @@ class Attention(nn.Module):
         self.qkv_packed = pack_fused([self.q_proj, self.k_proj, self.v_proj])
         self.cpu_decode = self._native_decode()
         kernel = tk.native_kernels()
-        if kernel is not None and tk.has_amx_bf16():    # other steps' attention on AMX tiles
+        if kernel is not None:          # other steps' attention (on AMX tiles where it can)
             self.cpu_prefill = tk.CpuPrefillAttention(
                 kernel, (self.num_heads, self.num_kv_heads), self.scale, self.cfg.sliding_window,
                 self.sinks)

@@ -94,9 +94,10 @@ class MlaAttention(nn.Module):
 
     def bind_cpu(self) -> None:
         """CPU engine (linear.pack_for_cpu calls this): a decode step from the projections'
-        outputs to o_proj's input in one native call (cpu_mla.py) in a 16-bit model; on an
-        AMX CPU the decompressed prefill's attention on AMX tiles (cpu_amx_attention.py,
-        CpuPrefillAttention.dense)."""
+        outputs to o_proj's input in one native call (cpu_mla.py) in a 16-bit model; the
+        decompressed prefill's attention in another (cpu_prefill_attention.py,
+        CpuPrefillAttention.dense: on AMX tiles where the CPU has them, else in vector
+        registers)."""
         kernel = tk.native_kernels()
         if kernel is None:
             return
@@ -106,9 +107,8 @@ class MlaAttention(nn.Module):
                 kernel, (self.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
                          c.kv_lora_rank, c.v_head_dim),
                 self.kv_a_layernorm.scale(), LORA_NORM_EPS, w, self.scale, c.rope_interleaved)
-        if tk.has_amx_bf16():
-            self.cpu_prefill = tk.CpuPrefillAttention(
-                kernel, (self.num_heads, self.num_heads), self.scale, None, None)
+        self.cpu_prefill = tk.CpuPrefillAttention(
+            kernel, (self.num_heads, self.num_heads), self.scale, None, None)
 
     def cache_spec(self) -> LatentSpec:
         return LatentSpec(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
