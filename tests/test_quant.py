@@ -390,9 +390,13 @@ def test_bf16_cpu_engine_packs_quantized_projections(tmp_path, quant):
     got = llm.logits(PROMPT)
     # Per token: bf16 router logits tie now and then, and which tied expert a token takes
     # (torch.topk's order, or the native router's lower id) moves that token's logits by a
-    # few percent either way; the median token stays as near as bf16 allows.
+    # few percent either way, now and then more (fp8-tensor's token 11 takes experts 1, 2
+    # where float32 takes 2, 4: float32's logits 2.730 and 2.698 for 4 and 1, bf16's ~0.05
+    # apart from them either way, its step there 0.016; 0.23 off): all but one token within
+    # 0.15, the median token as near as bf16 allows.
     errs = token_err(got.float(), want)
-    assert errs.median() < 0.05 and errs.max() < 0.15, f"{quant}: relative logit errors {errs}"
+    assert errs.median() < 0.05 and errs.sort().values[-2] < 0.15, \
+        f"{quant}: relative logit errors {errs}"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
 
 
