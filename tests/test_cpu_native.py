@@ -43,10 +43,12 @@ def on_1_to_3_threads(threads, call):
 @pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])
 def test_native_moe_matches_the_float32_reference(d, i, dtype, activation, threads):
     # Token counts 1 (decode), 3 (a partial token block), 9 and 40 (several experts with
-    # 4 tokens and more: the 4-row tiles, and their remainders); slots mapped, biases on.
+    # 4 tokens and more: the 4-row tiles, and their remainders), 100 (experts of 16 tokens
+    # and more: the GEMM form, a partial block of tokens, rows past a whole panel, beside
+    # the tiles of the others); slots mapped, biases on.
     threads(2)
     kernel = tk.native_kernels()
-    for t in (1, 3, 9, 40):
+    for t in (1, 3, 9, 40, 100):
         c = biased_experts(seed=t, t=t, d=d, i=i, e=6, k=2, pool=9)
         w13, w2 = c["w13"].to(dtype), c["w2"].to(dtype)
         want = reference(c, activation, dtype)
@@ -63,7 +65,7 @@ def test_native_moe_matches_the_float32_reference(d, i, dtype, activation, threa
 
 def test_native_moe_gives_the_same_bits_on_any_thread_count(threads):
     # Each output is summed in one fixed order whoever computes it.
-    c = biased_experts(seed=5, t=24, d=64, i=32, e=6, k=3, pool=9)
+    c = biased_experts(seed=5, t=60, d=64, i=32, e=6, k=3, pool=9)    # (tiles and GEMMs)
     kernel = tk.native_kernels()
     outs = []
     for n in (1, 2, 3):

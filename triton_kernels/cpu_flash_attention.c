@@ -17,7 +17,7 @@
  *   S^T [keys, cols] = K Q^T, KR keys x CV column vectors of sums in registers, each key's
  *     element broadcast against a vector of Q^T [dk, COLS] (packed once per item, float32);
  *   O^T [Dv, cols] += V^T P^T, DR value dims x CV column vectors in registers, each value's
- *     element broadcast against a vector of P^T.
+ *     element broadcast against a vector of P^T (both cpu_dot.h's outer_pass).
  * Keys and values are read from float32 copies of each (sequence, kv head)'s rows, made once
  * per call in phase 1 (a pair's keys in groups of KR, each group's dims one after another, so
  * a score pass reads one stream; its values DR dims at a time, each a stream of keys): a
@@ -43,13 +43,9 @@
 #include "cpu_heads.h"
 #include "cpu_prefill.h"
 
-#if VW == 16
-#define KR 12        /* keys of a score pass: KR x CV sums in registers (24 of 32 zmm) */
-#else
-#define KR 6         /* (12 of 16 ymm; with CV vectors and a broadcast, 15) */
-#endif
-#define DR KR        /* value dims of a value pass (outer_pass's rows, as the keys') */
-#define CV 2         /* column vectors of an item */
+#define KR OUTER_R   /* keys of a score pass (cpu_dot.h's outer_pass: OUTER_R x 2 vectors) */
+#define DR OUTER_R   /* value dims of a value pass */
+#define CV OUTER_V   /* column vectors of an item */
 #define COLS (CV * VW)
 #define KEYS 48      /* keys of a softmax block: whole score passes */
 
@@ -131,37 +127,6 @@ static void pack_block(const void *at, const struct prefill_pair *p, int64_t ch)
     }
 }
 
-/* c [R][COLS] = (alpha ? c alpha : 0) + sum over steps s of a[s][R] (x) b[s][COLS]: R rows of
- * CV column vectors of sums in registers, each step R broadcasts against CV vectors. Both
- * products: S^T (a a group of KR keys' copy [dk][KR], b Q^T [dk][COLS]) and O^T's rows d0 ..
- * d0 + DR - 1 (a a pass's slice of the values' copy [n][DR], b P^T [n][COLS], alpha the
- * softmax's rescaling). The loops over rows and columns unrolled whole, so the sums stay in
- * registers. */
-static inline __attribute__((always_inline)) void
-outer_pass(const float *a, const float *b, int64_t steps, float *c, const vf *alpha) {
-    vf acc[KR][CV];
-#pragma GCC unroll 16
-    for (int r = 0; r < KR; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < CV; v++)
-            acc[r][v] = alpha ? ((const vf *)(c + r * COLS))[v] * alpha[v] : (vf){0};
-    for (int64_t s = 0; s < steps; s++) {
-        const vf *bs = (const vf *)(b + s * COLS);
-#pragma GCC unroll 16
-        for (int r = 0; r < KR; r++) {
-            const float e = a[s * KR + r];
-#pragma GCC unroll 4
-            for (int v = 0; v < CV; v++)
-                acc[r][v] += e * bs[v];
-        }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < KR; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < CV; v++)
-            ((vf *)(c + r * COLS))[v] = acc[r][v];
-}
-
 /* Phase 2: work item rb of a pair: columns COLS rb .. of its (query, head) pairs. */
 static void attend(const void *at, const struct prefill_pair *p, int64_t rb, uint8_t *scratch) {
     const struct flash *a = at;
@@ -200,7 +165,7 @@ static void attend(const void *at, const struct prefill_pair *p, int64_t rb, uin
         const int64_t n = k_end - j0 < KEYS ? k_end - j0 : KEYS, groups = (n + KR - 1) / KR;
         const float *kg = key_copy(p) + (j0 - p->first) / KR * dk * KR;
         for (int64_t g = 0; g < groups; g++)
-            outer_pass(kg + g * dk * KR, qt, dk, s + g * KR * COLS, NULL);
+            outer_pass(kg + g * dk * KR, 1, KR, qt, COLS, dk, s + g * KR * COLS, COLS, NULL);
         /* Every key of the block visible to every column: no masks. The softmax runs in the
          * log2 domain on x = s scale log2(e) - m (one rounding), m the running max of
          * s scale log2(e); a masked key's -inf gives 2^x = 0. */
@@ -238,7 +203,7 @@ static void attend(const void *at, const struct prefill_pair *p, int64_t rb, uin
         }
         const float *vd = value_copy(a, p) + (j0 - p->first) * DR;
         for (int64_t d0 = 0; d0 < dvp; d0 += DR)
-            outer_pass(vd + d0 * p->units * KEYS, s, n, o + d0 * COLS, alpha);
+            outer_pass(vd + d0 * p->units * KEYS, 1, DR, s, COLS, n, o + d0 * COLS, COLS, alpha);
     }
 
     /* out = O / l, with each head's sink logit joining l (2^(sink log2(e) - m)), rounded

@@ -27,7 +27,7 @@
  * Each output element is summed in one fixed order (the k experts of a token by slot, each
  * dot product over K in vector lanes then across them), whatever the thread count.
  */
-#include "cpu_dot.h"
+#include "cpu_heads.h"
 
 static inline float activate(float g, float u, int kind, float alpha, float limit) {
     if (kind == 0)                          /* silu(gate) * up */
@@ -35,6 +35,108 @@ static inline float activate(float g, float u, int kind, float alpha, float limi
     g = fminf(g, limit);                    /* gpt-oss: clamped, (up + 1) * gate * sigmoid(alpha gate) */
     u = fminf(fmaxf(u, -limit), limit);
     return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
+}
+
+/* activate's, VW lanes at a time (vexp: ~1 ulp of expf). */
+static inline vf activate_v(vf g, vf u, int kind, float alpha, float limit) {
+    if (kind == 0)
+        return g / (1.f + vexp(-g)) * u;
+    const vf lim = (vf){0} + limit;
+    g = vsel(g > lim, lim, g);
+    u = vsel(u > lim, lim, vsel(u < -lim, -lim, u));
+    return (u + 1.f) * (g / (1.f + vexp(-alpha * g)));
+}
+
+/* The GEMM form, for an expert that many tokens meet in a call (a prefill chunk's: ~64 a
+ * used expert at 512 tokens of top-8 of 64): tokens across a vector's lanes, TOKENS_B at a
+ * time, OUTER_R weight rows widened to float32 once and broadcast (cpu_dot.h's outer_pass,
+ * 2 OUTER_R FMAs a step, no horizontal sums), against x^T [k][tokens] (up) and the
+ * activations stored transposed by the up phase (down). The 4-token dot tiles widen each
+ * weight again for each 4 tokens and sum each dot across lanes: ~half of the FMA pipes'
+ * rate on the 2-core EPYC. 16-bit banks only (fp8, int4: the dot tiles). */
+#define GEMM_TOKENS 16                      /* an expert's tokens from which it takes it */
+#define TOKENS_B (OUTER_V * VW)
+
+static inline int gemm_expert(int fmt, int i4x, int64_t n) {
+    return (fmt == 0 || fmt == 1) && !i4x && n >= GEMM_TOKENS;
+}
+
+static inline int64_t gemm_tokens(int64_t n) { return (n + TOKENS_B - 1) / TOKENS_B * TOKENS_B; }
+
+/* rows [nr][k] of a 16-bit weight from row w on (rows k apart) widened to float32 into dst
+ * [OUTER_R][k], rows past nr zeros. */
+static void widen_panel(const uint16_t *w, int nr, int64_t k, int fmt, float *dst) {
+    for (int r = 0; r < OUTER_R; r++) {
+        float *d = dst + r * k;
+        const uint16_t *src = w + r * k;
+        int64_t j = 0;
+        if (r >= nr) {
+            memset(d, 0, k * sizeof *d);
+            continue;
+        }
+        for (; j + VW <= k; j += VW) {
+            const vf f = load_w(src + j, fmt);
+            memcpy(d + j, &f, sizeof f);
+        }
+        for (; j < k; j++)
+            d[j] = scalar_w(src + j, fmt);
+    }
+}
+
+/* The up phase's rows i0..i1 of expert s (w13s: its [2I, D] rows) for its n tokens (x^T
+ * xt [np / TOKENS_B][d][TOKENS_B], zeros past n): act_t [np / TOKENS_B][I][TOKENS_B] of the
+ * activations, transposed the same way. */
+static void gemm_up(const uint16_t *w13s, int fmt, const float *b13s, const float *xt,
+                    int64_t np, int64_t d, int64_t width, int64_t i0, int64_t i1, int kind,
+                    float alpha, float limit, float *panel, float *act_t) {
+    float *wg = panel, *wu = panel + OUTER_R * d;
+    float g[OUTER_R * TOKENS_B] __attribute__((aligned(64)));
+    float u[OUTER_R * TOKENS_B] __attribute__((aligned(64)));
+    for (int64_t i = i0; i < i1; i += OUTER_R) {
+        const int nr = i1 - i < OUTER_R ? (int)(i1 - i) : OUTER_R;
+        widen_panel(w13s + i * d, nr, d, fmt, wg);
+        widen_panel(w13s + (width + i) * d, nr, d, fmt, wu);
+        for (int64_t t0 = 0; t0 < np; t0 += TOKENS_B) {
+            outer_pass(wg, d, 1, xt + t0 * d, TOKENS_B, d, g, TOKENS_B, NULL);
+            outer_pass(wu, d, 1, xt + t0 * d, TOKENS_B, d, u, TOKENS_B, NULL);
+            for (int r = 0; r < nr; r++)
+                for (int v = 0; v < OUTER_V; v++) {
+                    vf gv, uv;
+                    memcpy(&gv, g + r * TOKENS_B + v * VW, sizeof gv);
+                    memcpy(&uv, u + r * TOKENS_B + v * VW, sizeof uv);
+                    if (b13s) {
+                        gv += b13s[i + r];
+                        uv += b13s[width + i + r];
+                    }
+                    const vf a = activate_v(gv, uv, kind, alpha, limit);
+                    memcpy(act_t + t0 * width + (i + r) * TOKENS_B + v * VW, &a, sizeof a);
+                }
+        }
+    }
+}
+
+/* The down phase's output rows r0..r1 for expert s (w2s: its [D, I] rows; b2s its bias or
+ * NULL) over its n tokens (mine: their pairs; act_t as gemm_up leaves it): each token's
+ * weighted sums added into its row of acc [T, D]. */
+static void gemm_down(const uint16_t *w2s, int fmt, const float *b2s, const float *act_t,
+                      int64_t n, const int64_t *mine, int64_t k_count,
+                      const float *wts, int64_t d, int64_t width, int64_t r0, int64_t r1,
+                      float *panel, float *acc) {
+    float res[OUTER_R * TOKENS_B] __attribute__((aligned(64)));
+    for (int64_t r = r0; r < r1; r += OUTER_R) {
+        const int nr = r1 - r < OUTER_R ? (int)(r1 - r) : OUTER_R;
+        widen_panel(w2s + r * width, nr, width, fmt, panel);
+        for (int64_t t0 = 0; t0 < n; t0 += TOKENS_B) {
+            outer_pass(panel, width, 1, act_t + t0 * width, TOKENS_B, width, res, TOKENS_B,
+                       NULL);
+            for (int64_t t = t0; t < n && t < t0 + TOKENS_B; t++) {
+                float *sum = acc + (mine[t] / k_count) * d + r;
+                const float wt = wts[mine[t]];
+                for (int q = 0; q < nr; q++)
+                    sum[q] += wt * (res[q * TOKENS_B + t - t0] + (b2s ? b2s[r + q] : 0.f));
+            }
+        }
+    }
 }
 
 int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map, int64_t n_map,
@@ -120,6 +222,29 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
             used[b] = used[b - 1];
         used[b] = s;
     }
+    /* The GEMM form's experts: each one's transposed activations (gemm_up's) in act_t from
+     * t_at[s] on; xt_most: the largest x^T a thread builds. */
+    int64_t *t_at = malloc((slots ? slots : 1) * sizeof *t_at), t_total = 0, xt_most = 0;
+    if (!t_at) {
+        free(wide), free(start), free(order), free(used);
+        return -1;
+    }
+    for (int64_t u = 0; u < n_used; u++) {
+        const int64_t s = used[u], n = start[s + 1] - start[s];
+        t_at[s] = t_total;
+        if (gemm_expert(fmt, i4x, n)) {
+            t_total += width * gemm_tokens(n);      /* (a multiple of 16 floats: aligned) */
+            xt_most = d * gemm_tokens(n) > xt_most ? d * gemm_tokens(n) : xt_most;
+        }
+    }
+    /* and each thread's x^T and widened rows after them */
+    const int64_t own_floats = (xt_most + 2 * OUTER_R * (d > width ? d : width) + 15) / 16 * 16;
+    float *act_t = t_total ? aligned_alloc(64, (t_total + threads * own_floats) * sizeof(float))
+                           : NULL;
+    if (t_total && !act_t) {
+        free(t_at), free(wide), free(start), free(order), free(used);
+        return -1;
+    }
     /* Rows per item: long streams, but 4 items a thread or more to share out. */
     const int64_t up_rows = item_rows(n_used * width, threads);
     const int64_t down_rows = item_rows(d, threads);
@@ -140,6 +265,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
          * decodes (the same products, summed in another order of chains). */
         uint16_t *dec = NULL;
         int dec_tried = 0;
+        /* the GEMM form's x^T and widened rows */
+        float *xt = act_t ? act_t + t_total + omp_get_thread_num() * own_floats : NULL;
+        float *panel = xt ? xt + xt_most : NULL;
         const int64_t dec_words = 2 * up_rows * d > down_rows * width ? 2 * up_rows * d
                                                                      : down_rows * width;
         if (idle)
@@ -158,6 +286,24 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
             int64_t i1 = i0 + up_rows < width ? i0 + up_rows : width;
             const int64_t *mine = order + start[s];
             int64_t n = start[s + 1] - start[s];
+            if (gemm_expert(fmt, i4x, n)) {
+                const int64_t np = gemm_tokens(n);
+                /* x^T in blocks of TOKENS_B tokens, [np / TOKENS_B][d][TOKENS_B]: each
+                 * block's loads one stream (strided over [d][np], each a line of its own) */
+                for (int64_t t0 = 0; t0 < np; t0 += TOKENS_B) {
+                    const float *src[TOKENS_B];
+                    for (int t = 0; t < TOKENS_B; t++)
+                        src[t] = t0 + t < n ? wide + (mine[t0 + t] / k_count) * d : NULL;
+                    float *dst = xt + t0 * d;
+                    for (int64_t k = 0; k < d; k++)
+                        for (int t = 0; t < TOKENS_B; t++)
+                            dst[k * TOKENS_B + t] = src[t] ? src[t][k] : 0.f;
+                }
+                gemm_up((const uint16_t *)w13 + s * 2 * width * d, fmt,
+                        b13 ? b13 + s * 2 * width : NULL, xt, np, d, width, i0, i1, kind, alpha,
+                        limit, panel, act_t + t_at[s]);
+                continue;
+            }
             /* The gate rows, then the up rows: one sequential stream at a time (two rows
              * read side by side, 2 * I rows apart, halved the cold bandwidth). */
             for (int64_t t0 = 0; t0 < n; t0 += MAXT) {
@@ -241,6 +387,12 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 int64_t s = used[u];
                 const int64_t *mine = order + start[s];
                 int64_t n = start[s + 1] - start[s];
+                if (gemm_expert(fmt, i4x, n)) {
+                    gemm_down((const uint16_t *)w2 + s * d * width, fmt,
+                                  b2 ? b2 + s * d : NULL, act_t + t_at[s], n, mine, k_count,
+                                  wts, d, width, r0, r1, panel, acc);
+                    continue;
+                }
                 for (int64_t t0 = 0; t0 < n; t0 += MAXT) {
                     int nt = n - t0 < MAXT ? (int)(n - t0) : MAXT;
                     const float *hs[MAXT], *hv[MAXT], *hs2[MAXT];
@@ -299,6 +451,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
         free(xsc);
         free(dec);
     }
+    free(act_t), free(t_at);
     free(wide);
     free(start), free(order), free(used);
     return failed && failed == team ? -1 : 0;
