@@ -154,13 +154,14 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
 def test_native_fp8_moe_matches_the_decoded_reference(d, i, bn, bk, activation, threads):
     # Blocks that tile the banks, ragged ones (rows and columns of a block past the edge, and
     # blocks that a 4-row tile would straddle), row scales (block (1, 0): a checkpoint's
-    # channel scales, on each row's sums), 1 to 40 tokens (9 and 40: experts of more than 4
+    # channel scales, on each row's sums), 1 to 100 tokens (9 and 40: experts of more than 4
     # tokens, whose rows AVX2 decodes once to bf16 words where K is whole 32-byte blocks,
-    # f8l_decodes); against the float32 reference on the exactly decoded weights, subnormal
-    # e4m3 codes included.
+    # f8l_decodes; 100: experts of 16 and more, the GEMM form, each row decoded with its
+    # blocks' scales); against the float32 reference on the exactly decoded weights,
+    # subnormal e4m3 codes included.
     threads(2)
     kernel = tk.native_kernels()
-    for t in (1, 3, 9, 40):
+    for t in (1, 3, 9, 40, 100):
         c = biased_experts(seed=t, t=t, d=d, i=i, e=6, k=2, pool=9)
         q13, s13, deq13 = fp8_bank(c["w13"], bn, bk or d)
         q2, s2, deq2 = fp8_bank(c["w2"], bn, bk or i)

@@ -58,35 +58,95 @@ static inline vf activate_v(vf g, vf u, int kind, float alpha, float limit) {
 #define TOKENS_B (OUTER_V * VW)
 
 static inline int gemm_expert(int fmt, int i4x, int64_t n) {
-    return (fmt == 0 || fmt == 1) && !i4x && n >= GEMM_TOKENS;
+    return (fmt == 0 || fmt == 1 || fmt == FT_E4M3) && !i4x && n >= GEMM_TOKENS;
 }
 
 static inline int64_t gemm_tokens(int64_t n) { return (n + TOKENS_B - 1) / TOKENS_B * TOKENS_B; }
 
-/* rows [nr][k] of a 16-bit weight from row w on (rows k apart) widened to float32 into dst
- * [OUTER_R][k], rows past nr zeros. */
-static void widen_panel(const uint16_t *w, int nr, int64_t k, int fmt, float *dst) {
+/* One expert's weight [N, K] as the GEMM form reads it: 16-bit rows, or e4m3 bytes with
+ * their scales (block (bn, bk): [ceil(N / bn), cb]; bk 0: one a row). */
+struct expert_rows {
+    const void *w;
+    int fmt;
+    const float *scales;
+    int64_t k, bn, bk, cb;
+};
+
+/* An e4m3 byte's value, exactly (its bits in float16's places hold 1/256 of it; e4m3fn's nan
+ * 0x7f reads 480, as the dot tiles read it). */
+static inline float e4m3_value(uint8_t b) {
+    const uint16_t h = (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+    _Float16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v * 256.f;
+}
+
+/* VW e4m3 bytes' values in order, exactly (load_e4m3's decode without its factor; the dot
+ * tiles' FT_F8L decode gives another order). */
+static inline vf e4m3_values(const uint8_t *p) {
+    typedef int8_t vi8 __attribute__((vector_size(VW)));
+    typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
+    vi8 b;
+    memcpy(&b, p, sizeof b);
+    const vi16 h = (__builtin_convertvector(b, vi16) << 7) & (int16_t)0xbfff;
+    vf f;
+#if VW == 16
+    const __m512 v = _mm512_cvtph_ps((__m256i)h);
+    memcpy(&f, &v, sizeof f);
+#elif defined(__F16C__)
+    const __m256 v = _mm256_cvtph_ps((__m128i)h);
+    memcpy(&f, &v, sizeof f);
+#else
+    vh hv;
+    memcpy(&hv, &h, sizeof hv);
+    f = __builtin_convertvector(hv, vf);
+#endif
+    return f * 256.f;
+}
+
+/* Rows row .. row + nr - 1 of an expert's weight widened to float32 (fp8: times their
+ * scales, one rounding, as the reference decodes them) into dst [OUTER_R][k], rows past nr
+ * zeros. */
+static void widen_panel(const struct expert_rows *e, int64_t row, int nr, float *dst) {
+    const int64_t k = e->k;
     for (int r = 0; r < OUTER_R; r++) {
         float *d = dst + r * k;
-        const uint16_t *src = w + r * k;
-        int64_t j = 0;
         if (r >= nr) {
             memset(d, 0, k * sizeof *d);
             continue;
         }
+        if (e->fmt == FT_E4M3) {
+            const uint8_t *src = (const uint8_t *)e->w + (row + r) * k;
+            const int64_t step = e->bk ? e->bk : k;
+            for (int64_t k0 = 0; k0 < k; k0 += step) {
+                const int64_t k1 = k0 + step < k ? k0 + step : k;
+                const float sc = e->bk ? e->scales[(row + r) / e->bn * e->cb + k0 / e->bk]
+                                       : e->scales[row + r];
+                int64_t j = k0;
+                for (; j + VW <= k1; j += VW) {
+                    const vf f = e4m3_values(src + j) * sc;
+                    memcpy(d + j, &f, sizeof f);
+                }
+                for (; j < k1; j++)
+                    d[j] = e4m3_value(src[j]) * sc;
+            }
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)e->w + (row + r) * k;
+        int64_t j = 0;
         for (; j + VW <= k; j += VW) {
-            const vf f = load_w(src + j, fmt);
+            const vf f = load_w(src + j, e->fmt);
             memcpy(d + j, &f, sizeof f);
         }
         for (; j < k; j++)
-            d[j] = scalar_w(src + j, fmt);
+            d[j] = scalar_w(src + j, e->fmt);
     }
 }
 
 /* The up phase's rows i0..i1 of expert s (w13s: its [2I, D] rows) for its n tokens (x^T
  * xt [np / TOKENS_B][d][TOKENS_B], zeros past n): act_t [np / TOKENS_B][I][TOKENS_B] of the
  * activations, transposed the same way. */
-static void gemm_up(const uint16_t *w13s, int fmt, const float *b13s, const float *xt,
+static void gemm_up(const struct expert_rows *w13s, const float *b13s, const float *xt,
                     int64_t np, int64_t d, int64_t width, int64_t i0, int64_t i1, int kind,
                     float alpha, float limit, float *panel, float *act_t) {
     float *wg = panel, *wu = panel + OUTER_R * d;
@@ -94,8 +154,8 @@ static void gemm_up(const uint16_t *w13s, int fmt, const float *b13s, const floa
     float u[OUTER_R * TOKENS_B] __attribute__((aligned(64)));
     for (int64_t i = i0; i < i1; i += OUTER_R) {
         const int nr = i1 - i < OUTER_R ? (int)(i1 - i) : OUTER_R;
-        widen_panel(w13s + i * d, nr, d, fmt, wg);
-        widen_panel(w13s + (width + i) * d, nr, d, fmt, wu);
+        widen_panel(w13s, i, nr, wg);
+        widen_panel(w13s, width + i, nr, wu);
         for (int64_t t0 = 0; t0 < np; t0 += TOKENS_B) {
             outer_pass(wg, d, 1, xt + t0 * d, TOKENS_B, d, g, TOKENS_B, NULL);
             outer_pass(wu, d, 1, xt + t0 * d, TOKENS_B, d, u, TOKENS_B, NULL);
@@ -118,14 +178,14 @@ static void gemm_up(const uint16_t *w13s, int fmt, const float *b13s, const floa
 /* The down phase's output rows r0..r1 for expert s (w2s: its [D, I] rows; b2s its bias or
  * NULL) over its n tokens (mine: their pairs; act_t as gemm_up leaves it): each token's
  * weighted sums added into its row of acc [T, D]. */
-static void gemm_down(const uint16_t *w2s, int fmt, const float *b2s, const float *act_t,
+static void gemm_down(const struct expert_rows *w2s, const float *b2s, const float *act_t,
                       int64_t n, const int64_t *mine, int64_t k_count,
                       const float *wts, int64_t d, int64_t width, int64_t r0, int64_t r1,
                       float *panel, float *acc) {
     float res[OUTER_R * TOKENS_B] __attribute__((aligned(64)));
     for (int64_t r = r0; r < r1; r += OUTER_R) {
         const int nr = r1 - r < OUTER_R ? (int)(r1 - r) : OUTER_R;
-        widen_panel(w2s + r * width, nr, width, fmt, panel);
+        widen_panel(w2s, r, nr, panel);
         for (int64_t t0 = 0; t0 < n; t0 += TOKENS_B) {
             outer_pass(panel, width, 1, act_t + t0 * width, TOKENS_B, width, res, TOKENS_B,
                        NULL);
@@ -299,9 +359,11 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         for (int t = 0; t < TOKENS_B; t++)
                             dst[k * TOKENS_B + t] = src[t] ? src[t][k] : 0.f;
                 }
-                gemm_up((const uint16_t *)w13 + s * 2 * width * d, fmt,
-                        b13 ? b13 + s * 2 * width : NULL, xt, np, d, width, i0, i1, kind, alpha,
-                        limit, panel, act_t + t_at[s]);
+                const struct expert_rows rows = {
+                    row_at(w13, s * 2 * width, d, fmt), fmt,
+                    fmt == FT_E4M3 ? (const float *)s13 + s * rb13 * cb13 : NULL, d, bn, bk, cb13};
+                gemm_up(&rows, b13 ? b13 + s * 2 * width : NULL, xt, np, d, width, i0, i1, kind,
+                        alpha, limit, panel, act_t + t_at[s]);
                 continue;
             }
             /* The gate rows, then the up rows: one sequential stream at a time (two rows
@@ -388,8 +450,11 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 const int64_t *mine = order + start[s];
                 int64_t n = start[s + 1] - start[s];
                 if (gemm_expert(fmt, i4x, n)) {
-                    gemm_down((const uint16_t *)w2 + s * d * width, fmt,
-                                  b2 ? b2 + s * d : NULL, act_t + t_at[s], n, mine, k_count,
+                    const struct expert_rows rows = {
+                        row_at(w2, s * d, width, fmt), fmt,
+                        fmt == FT_E4M3 ? (const float *)s2 + s * rb2 * cb2 : NULL, width, bn, bk,
+                        cb2};
+                    gemm_down(&rows, b2 ? b2 + s * d : NULL, act_t + t_at[s], n, mine, k_count,
                                   wts, d, width, r0, r1, panel, acc);
                     continue;
                 }
