@@ -238,11 +238,12 @@ def int4_bank(w, group, symmetric, scale_dtype):
 @pytest.mark.parametrize("activation", [SILU, SWIGLU_OAI])
 def test_native_int4_moe_matches_the_decoded_reference(group, symmetric, scale_dtype,
                                                        activation, threads):
-    # Asymmetric (zero points) and symmetric groups, 16-bit and float32 scales, 1 to 40
-    # tokens (one row at a time, and 4-row tiles), against the float32 reference on the
+    # Asymmetric (zero points) and symmetric groups, 16-bit and float32 scales, 1 to 100
+    # tokens (one row at a time, 4-row tiles, and at 100 experts of 16 tokens and more: the
+    # GEMM form, each row's groups decoded in order), against the float32 reference on the
     # decoded weights; the same bits on 1 to 3 threads.
     kernel = tk.native_kernels()
-    for t in (1, 3, 9, 40):
+    for t in (1, 3, 9, 40, 100):
         c = biased_experts(seed=t, t=t, d=128, i=64, e=6, k=2, pool=9)
         q13, deq13 = int4_bank(c["w13"], group, symmetric, scale_dtype)
         q2, deq2 = int4_bank(c["w2"], group, symmetric, scale_dtype)
@@ -267,12 +268,12 @@ def test_native_int4_moe_with_bf16_activations_takes_the_pair_products(group, sy
     # bf16 x with K whole blocks of 128 (cpu_dot.h's i4b: vdpbf16ps on 128 + q, the offset
     # taken back per group): against float64 on the decoded weights with the activations
     # rounded to bf16 between the products, as the kernel (and a bf16 model) rounds them;
-    # groups of 32 to 128 (several a block, or one; symmetric rows of 4 and 8 groups); 1 to 40
-    # tokens
-    # (one row at a time and 4-row tiles); the same bits on 1 to 3 threads.
+    # groups of 32 to 128 (several a block, or one; symmetric rows of 4 and 8 groups); 1 to
+    # 100 tokens (one row at a time, 4-row tiles, and the GEMM form's experts of 16 tokens
+    # and more, float32 activations, beside the others); the same bits on 1 to 3 threads.
     from triton_kernels.fused_moe import _activate
     kernel = tk.native_kernels()
-    for t in (1, 3, 9, 40):
+    for t in (1, 3, 9, 40, 100):
         c = biased_experts(seed=t, t=t, d=256, i=256, e=6, k=2, pool=9)
         q13, deq13 = int4_bank(c["w13"], group, symmetric, torch.bfloat16)
         q2, deq2 = int4_bank(c["w2"], group, symmetric, torch.bfloat16)

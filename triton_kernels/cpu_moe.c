@@ -57,20 +57,39 @@ static inline vf activate_v(vf g, vf u, int kind, float alpha, float limit) {
 #define GEMM_TOKENS 16                      /* an expert's tokens from which it takes it */
 #define TOKENS_B (OUTER_V * VW)
 
-static inline int gemm_expert(int fmt, int i4x, int64_t n) {
-    return (fmt == 0 || fmt == 1 || fmt == FT_E4M3) && !i4x && n >= GEMM_TOKENS;
+static inline int gemm_expert(int fmt, int64_t n) {
+    return (fmt == 0 || fmt == 1 || fmt == FT_E4M3 || is_int4(fmt)) && n >= GEMM_TOKENS;
 }
 
 static inline int64_t gemm_tokens(int64_t n) { return (n + TOKENS_B - 1) / TOKENS_B * TOKENS_B; }
 
-/* One expert's weight [N, K] as the GEMM form reads it: 16-bit rows, or e4m3 bytes with
- * their scales (block (bn, bk): [ceil(N / bn), cb]; bk 0: one a row). */
+/* One expert's weight [N, K] as the GEMM form reads it: 16-bit rows; e4m3 bytes with their
+ * scales (block (bn, bk): [ceil(N / bn), cb] float32; bk 0: one a row); or int4 nibbles
+ * [N, K / 2] with each row's cb group scales (fmt's, groups of 2^gshift). */
 struct expert_rows {
     const void *w;
     int fmt;
-    const float *scales;
+    const void *scales;
     int64_t k, bn, bk, cb;
+    int gshift;
 };
+
+/* 2 VW int4 weights of one group in order (load_int4's even and odd ones interleaved). */
+static inline void int4_values(const uint8_t *p, float s, float m, float *dst) {
+    vf lo, hi;
+    load_int4(p, s, m, &lo, &hi);
+#if VW == 16
+    const vf a = __builtin_shufflevector(lo, hi, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22,
+                                         7, 23);
+    const vf b = __builtin_shufflevector(lo, hi, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29,
+                                         14, 30, 15, 31);
+#else
+    const vf a = __builtin_shufflevector(lo, hi, 0, 8, 1, 9, 2, 10, 3, 11);
+    const vf b = __builtin_shufflevector(lo, hi, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+    memcpy(dst, &a, sizeof a);
+    memcpy(dst + VW, &b, sizeof b);
+}
 
 /* An e4m3 byte's value, exactly (its bits in float16's places hold 1/256 of it; e4m3fn's nan
  * 0x7f reads 480, as the dot tiles read it). */
@@ -115,13 +134,24 @@ static void widen_panel(const struct expert_rows *e, int64_t row, int nr, float 
             memset(d, 0, k * sizeof *d);
             continue;
         }
+        if (is_int4(e->fmt)) {      /* (groups of 2 VW and more: the kernel's checks) */
+            const uint8_t *src = row_at(e->w, row + r, k, e->fmt);
+            const void *gs = int4_row_scales(e->scales, row + r, e->cb, e->fmt);
+            for (int64_t j = 0; j < k; j += 2 * VW) {
+                float sc, m;
+                int4_sm(gs, j >> e->gshift, e->fmt, &sc, &m);
+                int4_values(src + j / 2, sc, m, d + j);
+            }
+            continue;
+        }
         if (e->fmt == FT_E4M3) {
             const uint8_t *src = (const uint8_t *)e->w + (row + r) * k;
             const int64_t step = e->bk ? e->bk : k;
             for (int64_t k0 = 0; k0 < k; k0 += step) {
                 const int64_t k1 = k0 + step < k ? k0 + step : k;
-                const float sc = e->bk ? e->scales[(row + r) / e->bn * e->cb + k0 / e->bk]
-                                       : e->scales[row + r];
+                const float *scales = e->scales;
+                const float sc = e->bk ? scales[(row + r) / e->bn * e->cb + k0 / e->bk]
+                                       : scales[row + r];
                 int64_t j = k0;
                 for (; j + VW <= k1; j += VW) {
                     const vf f = e4m3_values(src + j) * sc;
@@ -292,7 +322,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     for (int64_t u = 0; u < n_used; u++) {
         const int64_t s = used[u], n = start[s + 1] - start[s];
         t_at[s] = t_total;
-        if (gemm_expert(fmt, i4x, n)) {
+        if (gemm_expert(fmt, n)) {
             t_total += width * gemm_tokens(n);      /* (a multiple of 16 floats: aligned) */
             xt_most = d * gemm_tokens(n) > xt_most ? d * gemm_tokens(n) : xt_most;
         }
@@ -346,7 +376,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
             int64_t i1 = i0 + up_rows < width ? i0 + up_rows : width;
             const int64_t *mine = order + start[s];
             int64_t n = start[s + 1] - start[s];
-            if (gemm_expert(fmt, i4x, n)) {
+            if (gemm_expert(fmt, n)) {
                 const int64_t np = gemm_tokens(n);
                 /* x^T in blocks of TOKENS_B tokens, [np / TOKENS_B][d][TOKENS_B]: each
                  * block's loads one stream (strided over [d][np], each a line of its own) */
@@ -361,7 +391,9 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 }
                 const struct expert_rows rows = {
                     row_at(w13, s * 2 * width, d, fmt), fmt,
-                    fmt == FT_E4M3 ? (const float *)s13 + s * rb13 * cb13 : NULL, d, bn, bk, cb13};
+                    fmt == FT_E4M3 ? (const float *)s13 + s * rb13 * cb13
+                    : is_int4(fmt) ? int4_row_scales(s13, s * 2 * width, cb13, fmt) : NULL,
+                    d, bn, bk, cb13, gshift};
                 gemm_up(&rows, b13 ? b13 + s * 2 * width : NULL, xt, np, d, width, i0, i1, kind,
                         alpha, limit, panel, act_t + t_at[s]);
                 continue;
@@ -432,10 +464,14 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
             }
         }
 #pragma omp barrier
-        if (i4x) {
+        if (i4x) {                  /* (the GEMM form's experts: their act_t as it is) */
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < pairs; p++)
-                i4x_prepare(act + p * width, width, gshift, fmt, actb + p * width, a2 + p * ga);
+            for (int64_t p = 0; p < pairs; p++) {
+                const int64_t s = slot_map ? slot_map[ids[p]] : ids[p];
+                if (!gemm_expert(fmt, start[s + 1] - start[s]))
+                    i4x_prepare(act + p * width, width, gshift, fmt, actb + p * width,
+                                a2 + p * ga);
+            }
         }
         /* Down: item = down_rows output rows of every token, summed over its experts by slot. */
         for (;;) {
@@ -449,11 +485,12 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                 int64_t s = used[u];
                 const int64_t *mine = order + start[s];
                 int64_t n = start[s + 1] - start[s];
-                if (gemm_expert(fmt, i4x, n)) {
+                if (gemm_expert(fmt, n)) {
                     const struct expert_rows rows = {
                         row_at(w2, s * d, width, fmt), fmt,
-                        fmt == FT_E4M3 ? (const float *)s2 + s * rb2 * cb2 : NULL, width, bn, bk,
-                        cb2};
+                        fmt == FT_E4M3 ? (const float *)s2 + s * rb2 * cb2
+                        : is_int4(fmt) ? int4_row_scales(s2, s * d, cb2, fmt) : NULL,
+                        width, bn, bk, cb2, gshift};
                     gemm_down(&rows, b2 ? b2 + s * d : NULL, act_t + t_at[s], n, mine, k_count,
                                   wts, d, width, r0, r1, panel, acc);
                     continue;
