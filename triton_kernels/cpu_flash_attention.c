@@ -118,8 +118,10 @@ static void pack_block(const void *at, const struct prefill_pair *p, int64_t ch)
             continue;
         }
         const int64_t block = a->tables[p->b * a->tstride + j / a->bs], slot = j % a->bs;
-        const char *k = (const char *)a->kc + (block * a->ksb + slot * a->kss + p->h * a->ksh) * size;
-        const char *v = (const char *)a->vc + (block * a->vsb + slot * a->vss + p->h * a->vsh) * size;
+        const char *k = (const char *)a->kc
+            + (block * a->ksb + slot * a->kss + p->h * a->ksh) * size;
+        const char *v = (const char *)a->vc
+            + (block * a->vsb + slot * a->vss + p->h * a->vsh) * size;
         for (int64_t d = 0; d < dk; d++)
             kd[d * KR] = load_as(k, d, a->fmt);
         for (int64_t d = 0; d < dvp; d++)

@@ -25,7 +25,8 @@
  *   act [P, I] f32 and acc [T, D] f32 scratch; out [T, D] in ofmt (as xfmt; rounded once);
  *   threads: the team (the caller's torch thread count).
  * Each output element is summed in one fixed order (the k experts of a token by slot, each
- * dot product over K in vector lanes then across them), whatever the thread count.
+ * dot product over K in vector lanes then across them, or, in the GEMM form an expert takes
+ * from GEMM_TOKENS tokens, over K one after another), whatever the thread count.
  */
 #include "cpu_heads.h"
 
@@ -494,7 +495,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         : is_int4(fmt) ? int4_row_scales(s2, s * d, cb2, fmt) : NULL,
                         width, bn, bk, cb2, gshift};
                     gemm_down(&rows, b2 ? b2 + s * d : NULL, act_t + t_at[s], n, mine, k_count,
-                                  wts, d, width, r0, r1, panel, acc);
+                              wts, d, width, r0, r1, panel, acc);
                     continue;
                 }
                 for (int64_t t0 = 0; t0 < n; t0 += MAXT) {
