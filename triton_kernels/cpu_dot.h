@@ -184,6 +184,32 @@ static inline int f8l_place(int e) {
 }
 #endif
 
+/* VW e4m3 bytes widened to float32 in order, at 1/256 of their values, exactly: each byte
+ * sign-extended to 16 bits and shifted left by 7 puts its sign on float16's (bit 15, and a
+ * copy on bit 14, cleared), its exponent and mantissa on float16's lowest exponent and
+ * mantissa bits: value / 2^8 (the biases are 7 and 15; e4m3's subnormals land on float16's),
+ * widened by vcvtph2ps. e4m3fn's nan, 0x7f, reads as 480 / 256. */
+static inline __attribute__((always_inline)) vf e4m3_f16_places(const uint8_t *p) {
+    typedef int8_t vi8 __attribute__((vector_size(VW)));
+    typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
+    vi8 b;
+    memcpy(&b, p, sizeof b);
+    const vi16 h = (__builtin_convertvector(b, vi16) << 7) & (int16_t)0xbfff;
+    vf f;
+#if VW == 16
+    const __m512 v = _mm512_cvtph_ps((__m256i)h);
+    memcpy(&f, &v, sizeof f);
+#elif defined(__F16C__)
+    const __m256 v = _mm256_cvtph_ps((__m128i)h);
+    memcpy(&f, &v, sizeof f);
+#else
+    vh hv;
+    memcpy(&hv, &h, sizeof hv);
+    f = __builtin_convertvector(hv, vf);
+#endif
+    return f;
+}
+
 #if FT_F8L
 /* A block's four float32 vectors (words: even then odd of *w0, then of *w1). */
 static inline __attribute__((always_inline)) void load_e4m3_f8l(const uint8_t *p, vf f[4]) {
@@ -246,25 +272,8 @@ static inline __attribute__((always_inline)) void load_e4m3(const uint8_t *p, vf
         memcpy(half ? hi : lo, &v, sizeof *lo);
     }
 #else
-    typedef int8_t vi8 __attribute__((vector_size(VW)));
-    typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
-    for (int half = 0; half < 2; half++) {
-        vi8 b;
-        memcpy(&b, p + half * VW, sizeof b);
-        vi16 h = (__builtin_convertvector(b, vi16) << 7) & (int16_t)0xbfff;
-        vf f;
-#if defined(__F16C__)
-        __m128i hv;
-        memcpy(&hv, &h, sizeof hv);
-        __m256 v = _mm256_cvtph_ps(hv);
-        memcpy(&f, &v, sizeof f);
-#else
-        vh hv;
-        memcpy(&hv, &h, sizeof hv);
-        f = __builtin_convertvector(hv, vf);
-#endif
-        *(half ? hi : lo) = f;
-    }
+    *lo = e4m3_f16_places(p);
+    *hi = e4m3_f16_places(p + VW);
 #endif
 }
 #endif

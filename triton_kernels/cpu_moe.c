@@ -103,28 +103,9 @@ static inline float e4m3_value(uint8_t b) {
     return (float)v * 256.f;
 }
 
-/* VW e4m3 bytes' values in order, exactly (load_e4m3's decode without its factor; the dot
- * tiles' FT_F8L decode gives another order). */
-static inline vf e4m3_values(const uint8_t *p) {
-    typedef int8_t vi8 __attribute__((vector_size(VW)));
-    typedef int16_t vi16 __attribute__((vector_size(VW * 2)));
-    vi8 b;
-    memcpy(&b, p, sizeof b);
-    const vi16 h = (__builtin_convertvector(b, vi16) << 7) & (int16_t)0xbfff;
-    vf f;
-#if VW == 16
-    const __m512 v = _mm512_cvtph_ps((__m256i)h);
-    memcpy(&f, &v, sizeof f);
-#elif defined(__F16C__)
-    const __m256 v = _mm256_cvtph_ps((__m128i)h);
-    memcpy(&f, &v, sizeof f);
-#else
-    vh hv;
-    memcpy(&hv, &h, sizeof hv);
-    f = __builtin_convertvector(hv, vf);
-#endif
-    return f * 256.f;
-}
+/* VW e4m3 bytes' values in order, exactly (the dot tiles' FT_F8L decode gives another
+ * order). */
+static inline vf e4m3_values(const uint8_t *p) { return e4m3_f16_places(p) * 256.f; }
 
 /* Rows row .. row + nr - 1 of an expert's weight widened to float32 (fp8: times their
  * scales, one rounding, as the reference decodes them) into dst [OUTER_R][k], rows past nr
