@@ -60,11 +60,14 @@ static inline vf activate_v(vf g, vf u, int kind, float alpha, float limit) {
 #define GEMM_TOKENS 16                      /* an expert's tokens from which it takes it */
 #define TOKENS_B (OUTER_V * VW)
 
-static inline int gemm_expert(int fmt, int64_t n) {
-    return (fmt == 0 || fmt == 1 || fmt == FT_E4M3 || is_int4(fmt)) && n >= GEMM_TOKENS;
-}
-
 static inline int64_t gemm_tokens(int64_t n) { return (n + TOKENS_B - 1) / TOKENS_B * TOKENS_B; }
+
+/* Whether an expert of n tokens takes the GEMM form: from GEMM_TOKENS, where its blocks'
+ * padding costs less than its ~1.35x the tiles' rate (17 tokens in 2 blocks of 16 would). */
+static inline int gemm_expert(int fmt, int64_t n) {
+    return (fmt == 0 || fmt == 1 || fmt == FT_E4M3 || is_int4(fmt)) && n >= GEMM_TOKENS
+        && 10 * gemm_tokens(n) <= 13 * n;
+}
 
 /* One expert's weight [N, K] as the GEMM form reads it: 16-bit rows; e4m3 bytes with their
  * scales (block (bn, bk): [ceil(N / bn), cb] float32; bk 0: one a row); or int4 nibbles
