@@ -60,9 +60,11 @@ struct amx_shape {
     int64_t dv, window;
 };
 
-static int64_t pair_bytes(int64_t n_q, int64_t len, const void *shape) {
+static void pair_plan(int64_t n_q, int64_t len, const void *shape, struct prefill_pair *p) {
     const struct amx_shape *f = shape;
-    return pack_chunks(n_q, len, f->window) * (f->dv / 16) * TILE_BYTES;
+    p->first = pack_first(n_q, len, f->window);
+    p->units = pack_chunks(n_q, len, f->window);
+    p->bytes = p->units * (f->dv / 16) * TILE_BYTES;
 }
 
 /* A thread's own buffers: packed q, S^T, P^T, O^T. */
@@ -76,7 +78,7 @@ int64_t ft_attn_amx_scratch(const int32_t *cu, const int32_t *lens, int64_t b_co
                             int threads, int64_t pack_cap) {
     const struct amx_shape f = {dv, window};
     return prefill_scratch(cu, lens, b_count, min_q, hk, threads, thread_bytes(dk, dv), pack_cap,
-                           pair_bytes, &f);
+                           pair_plan, &f);
 }
 
 #if FT_AMX
@@ -349,17 +351,11 @@ int ft_attn_amx(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_ca
     const struct attn a = {q, k_cache, v_cache, tables, cu, lens, sinks, out, hq, hk, dk, dv,
                            bs, tstride, window, ksb, kss, ksh, vsb, vss, vsh, scale};
     const struct amx_shape f = {dv, window};
-    const int64_t g_count = hq / hk, pairs = b_count * hk;
-    struct prefill_pair *pr = malloc((pairs > 0 ? pairs : 1) * sizeof *pr);
+    const int64_t pairs = b_count * hk;
+    struct prefill_pair *pr = prefill_pairs(cu, lens, b_count, min_q, hk, hq / hk, COLS,
+                                            pair_plan, &f);
     if (!pr)
         return -4;
-    for (int64_t i = 0; i < pairs; i++) {
-        const int64_t b = i / hk, n_q = cu[b + 1] - cu[b], own = n_q >= min_q;
-        pr[i] = (struct prefill_pair){
-            b, i % hk, pack_first(n_q, lens[b], window),
-            own ? pack_chunks(n_q, lens[b], window) : 0, own ? pair_bytes(n_q, lens[b], &f) : 0,
-            0, own ? (n_q * g_count + COLS - 1) / COLS : 0, NULL};
-    }
     uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const struct prefill_ops ops = {pack_values, attend, load_tiles, release_tiles};
     prefill_run(&a, &ops, pr, pairs, base, thread_bytes(dk, dv),

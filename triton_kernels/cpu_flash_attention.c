@@ -62,9 +62,12 @@ static int64_t pack_rows(int64_t n_q, int64_t len, int64_t window) {
     return (len - prefill_first(n_q, len, window) + KEYS - 1) / KEYS * KEYS;
 }
 
-static int64_t pair_bytes(int64_t n_q, int64_t len, const void *shape) {
+static void pair_plan(int64_t n_q, int64_t len, const void *shape, struct prefill_pair *p) {
     const struct flash_shape *f = shape;
-    return pack_rows(n_q, len, f->window) * (f->dk + round_dims(f->dv)) * 4;
+    const int64_t rows = pack_rows(n_q, len, f->window);
+    p->first = prefill_first(n_q, len, f->window);
+    p->units = rows / KEYS;
+    p->bytes = rows * (f->dk + round_dims(f->dv)) * 4;
 }
 
 /* A thread's own buffers: Q^T [dk][COLS], S^T / P^T [KEYS][COLS], O^T [dvp][COLS]. */
@@ -77,7 +80,7 @@ int64_t ft_attn_flash_scratch(const int32_t *cu, const int32_t *lens, int64_t b_
                               int64_t window, int threads, int64_t pack_cap) {
     const struct flash_shape f = {dk, dv, window};
     return prefill_scratch(cu, lens, b_count, min_q, hk, threads, thread_floats(dk, dv) * 4,
-                           pack_cap, pair_bytes, &f);
+                           pack_cap, pair_plan, &f);
 }
 
 struct flash {
@@ -251,18 +254,11 @@ int ft_attn_flash(const void *q, const void *k_cache, const void *v_cache, int f
                             round_dims(dv), bs, tstride, window, ksb, kss, ksh, vsb, vss, vsh,
                             scale, fmt};
     const struct flash_shape f = {dk, dv, window};
-    const int64_t g_count = hq / hk, pairs = b_count * hk;
-    struct prefill_pair *pr = malloc((pairs > 0 ? pairs : 1) * sizeof *pr);
+    const int64_t pairs = b_count * hk;
+    struct prefill_pair *pr = prefill_pairs(cu, lens, b_count, min_q, hk, hq / hk, COLS,
+                                            pair_plan, &f);
     if (!pr)
         return -4;
-    for (int64_t i = 0; i < pairs; i++) {
-        const int64_t b = i / hk, n_q = cu[b + 1] - cu[b], own = n_q >= min_q;
-        pr[i] = (struct prefill_pair){
-            b, i % hk, prefill_first(n_q, lens[b], window),
-            own ? pack_rows(n_q, lens[b], window) / KEYS : 0,
-            own ? pair_bytes(n_q, lens[b], &f) : 0, 0,
-            own ? (n_q * g_count + COLS - 1) / COLS : 0, NULL};
-    }
     uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const int64_t mine = thread_floats(dk, dv) * 4;
     const struct prefill_ops ops = {pack_block, attend, NULL, NULL};

@@ -33,32 +33,56 @@ static inline int64_t prefill_first(int64_t n_q, int64_t len, int64_t window) {
     return window && len - n_q - window + 1 > 0 ? len - n_q - window + 1 : 0;
 }
 
-/* A call's scratch: each thread's own bytes, and room for the copies of as many pairs at
- * once as pack_cap holds (at least the largest pair's); pair_bytes(n_q, len) a pair's. */
-static inline int64_t prefill_scratch(const int32_t *cu, const int32_t *lens, int64_t b_count,
-                                      int64_t min_q, int64_t hk, int threads,
-                                      int64_t thread_bytes, int64_t pack_cap,
-                                      int64_t (*pair_bytes)(int64_t n_q, int64_t len,
-                                                            const void *shape),
-                                      const void *shape) {
-    int64_t total = 0, most = 0;
-    for (int64_t b = 0; b < b_count; b++) {
-        if (cu[b + 1] - cu[b] < min_q)
-            continue;
-        const int64_t n = pair_bytes(cu[b + 1] - cu[b], lens[b], shape);
-        total += n * hk;
-        most = n > most ? n : most;
-    }
-    const int64_t packs = total < pack_cap ? total : pack_cap;
-    return (threads < 1 ? 1 : threads) * thread_bytes + (packs > most ? packs : most) + 64;
-}
-
 /* A (sequence, kv head) pair: its copies' units (phase 1's items) and bytes, from key first
  * on; its phase 2 items, item0 .. item0 + items - 1 of its group; where its copies lie. */
 struct prefill_pair {
     int64_t b, h, first, units, bytes, item0, items;
     uint8_t *copy;
 };
+
+/* A kernel's copies of a pair whose context of len keys ends in n_q new tokens: p's first,
+ * units and bytes (shape: the kernel's constants). */
+typedef void (*prefill_plan)(int64_t n_q, int64_t len, const void *shape,
+                             struct prefill_pair *p);
+
+/* A call's scratch: each thread's own bytes, and room for the copies of as many pairs at
+ * once as pack_cap holds (at least the largest pair's). */
+static inline int64_t prefill_scratch(const int32_t *cu, const int32_t *lens, int64_t b_count,
+                                      int64_t min_q, int64_t hk, int threads,
+                                      int64_t thread_bytes, int64_t pack_cap,
+                                      prefill_plan plan, const void *shape) {
+    int64_t total = 0, most = 0;
+    for (int64_t b = 0; b < b_count; b++) {
+        if (cu[b + 1] - cu[b] < min_q)
+            continue;
+        struct prefill_pair p;
+        plan(cu[b + 1] - cu[b], lens[b], shape, &p);
+        total += p.bytes * hk;
+        most = p.bytes > most ? p.bytes : most;
+    }
+    const int64_t packs = total < pack_cap ? total : pack_cap;
+    return (threads < 1 ? 1 : threads) * thread_bytes + (packs > most ? packs : most) + 64;
+}
+
+/* A call's pairs [B * Hk] (NULL: no memory): each as plan says, its items of cols columns of
+ * its g_count heads a query; a sequence of fewer than min_q new tokens copies and runs
+ * nothing. */
+static inline struct prefill_pair *prefill_pairs(const int32_t *cu, const int32_t *lens,
+                                                 int64_t b_count, int64_t min_q, int64_t hk,
+                                                 int64_t g_count, int64_t cols,
+                                                 prefill_plan plan, const void *shape) {
+    const int64_t pairs = b_count * hk;
+    struct prefill_pair *pr = malloc((pairs > 0 ? pairs : 1) * sizeof *pr);
+    for (int64_t i = 0; pr && i < pairs; i++) {
+        const int64_t b = i / hk, n_q = cu[b + 1] - cu[b];
+        pr[i] = (struct prefill_pair){b, i % hk, 0, 0, 0, 0, 0, NULL};
+        if (n_q >= min_q) {
+            plan(n_q, lens[b], shape, &pr[i]);
+            pr[i].items = (n_q * g_count + cols - 1) / cols;
+        }
+    }
+    return pr;
+}
 
 /* What a kernel runs: copy unit u of a pair; its item i (counted from the pair's first);
  * around each thread's part, enter and leave (AMX's tile state; or NULL). */
@@ -68,7 +92,7 @@ struct prefill_ops {
     void (*enter)(void), (*leave)(void);
 };
 
-/* Both phases over pairs pr [pairs] (b, h, first, units, bytes and items filled in): copies
+/* Both phases over pairs pr [pairs] (prefill_pairs'): copies
  * at packs, each thread's own thread_bytes at base (64-byte aligned). */
 static inline void prefill_run(const void *a, const struct prefill_ops *ops,
                                struct prefill_pair *pr, int64_t pairs, uint8_t *base,
