@@ -11,6 +11,8 @@ the native kernel) and the float32 reference, in one run.
 
     python bench/cpu_moe.py                  # 64 experts, top-8, D 1024, I 256 (bench/cpu.py's)
     python bench/cpu_moe.py --tokens 1,8,64 --formats fp8_block,int4
+    python bench/cpu_moe.py --formats int4_g32 --tokens 1 --layers 12 --skip-reference
+                                             # a decode step's weights from DRAM, not the L3
 
 Random weights quantized by the project's own quantizer; per format and token count the
 median of --reps calls (routing redrawn each call), in ms, and the ratio to bf16 in the same
@@ -20,6 +22,7 @@ run (the machine is shared: compare ratios, not milliseconds across runs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import statistics
 import sys
@@ -54,27 +57,13 @@ def median_ms(fn, x, experts: int, top_k: int, reps: int, g) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--width", type=int, default=256, help="the expert's intermediate size I")
-    p.add_argument("--tokens", default="1,8,64")
-    p.add_argument("--formats", default=",".join(FORMATS))
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--skip-reference", action="store_true", help="the float32 reference is slow")
-    p.add_argument("--arms", help="comma-separated arm names to time (default: all), e.g. "
-                   "'bf16 native,bf16 packed'; the first one timed is the ratios' base")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def build_arms(args, g: torch.Generator) -> dict:
+    """Every arm's banks for one layer, random from g: name -> fn(x, weights, ids)."""
     import triton_kernels as tk
     from triton_kernels.dequant import QuantFormat, fused_moe_quant_reference
     from triton_kernels.dequant_cpu import fused_moe_quant_cpu
     from triton_kernels.fused_moe import fused_moe_reference
 
-    g = torch.Generator().manual_seed(0)
     e, d, i = args.experts, args.hidden, args.width
     w13 = (torch.randn(e, 2 * i, d, generator=g) * d ** -0.5).bfloat16()
     w2 = (torch.randn(e, d, i, generator=g) * i ** -0.5).bfloat16()
@@ -130,19 +119,57 @@ def main(argv=None) -> int:
         if not args.skip_reference:
             arms[f"{name} reference"] = (lambda x, w, ids, fmt=fmt, q13=q13, q2=q2:
                                          fused_moe_quant_reference(x, fmt, q13, q2, w, ids))
-    if args.arms:
-        keep = args.arms.split(",")
-        if set(keep) - set(arms):
-            p.error(f"unknown arms {sorted(set(keep) - set(arms))}; built here: {sorted(arms)}")
-        arms = {name: arms[name] for name in keep}
+    return arms
+
+
+def _in_turn(fns: list):
+    """One call of fns after another, round and round (each call its own layer's banks)."""
+    turn = itertools.cycle(fns)
+    return lambda x, w, ids: next(turn)(x, w, ids)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--width", type=int, default=256, help="the expert's intermediate size I")
+    p.add_argument("--tokens", default="1,8,64")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--skip-reference", action="store_true", help="the float32 reference is slow")
+    p.add_argument("--arms", help="comma-separated arm names to time (default: all), e.g. "
+                   "'bf16 native,bf16 packed'; the first one timed is the ratios' base")
+    p.add_argument("--layers", type=int, default=1, help="copies of every arm's banks, "
+                   "called in turn as a model's layers are: with enough of them (12 for the "
+                   "default shape's int4) a call reads its weights from DRAM, not the L3")
+    args = p.parse_args(argv)
+    if args.layers < 1:
+        p.error("--layers must be at least 1")
+    torch.set_num_threads(args.threads)
+
+    g = torch.Generator().manual_seed(0)
+    e, d, i = args.experts, args.hidden, args.width
+    # Each layer's arms (those --arms keeps: the others' banks freed as each layer is built).
+    # One bench layer's bf16 bank is ~100 MB, its int4 one ~25 MB: an L3 of 32 MB holds the
+    # latter between calls, where a model's decode step reads each layer's once from DRAM.
+    layers, keep = [], args.arms.split(",") if args.arms else None
+    for _ in range(args.layers):
+        built = build_arms(args, g)
+        if keep and set(keep) - set(built):
+            p.error(f"unknown arms {sorted(set(keep) - set(built))}; built here: {sorted(built)}")
+        layers.append({name: built[name] for name in keep or built})
+    arms = {name: _in_turn([layer[name] for layer in layers]) for name in layers[0]}
     tokens = [int(t) for t in args.tokens.split(",")]
     # One OpenMP runtime is torch's and the native kernels' both (cpu_native._openmp_runtime);
     # two would spin against each other.
     print("OpenMP runtimes in this process:", sorted({
         line.split()[-1] for line in open("/proc/self/maps")
         if re.search(r"/lib(gomp|iomp5|omp)\b", line)}) or "none")
-    print(f"one MoE layer: {e} experts, top-{args.top_k}, D {d}, I {i}, {args.threads} threads; "
-          f"ms (median of {args.reps}) and x bf16")
+    print(f"one MoE layer: {e} experts, top-{args.top_k}, D {d}, I {i}, {args.threads} threads, "
+          f"{args.layers} layer{'s' if args.layers > 1 else ''} of banks called in turn; ms "
+          f"(median of {args.reps}) and x bf16")
     print("arm".ljust(22) + "".join(f"T={t}".ljust(20) for t in tokens))
     base = {}
     for name, fn in arms.items():
