@@ -234,13 +234,27 @@ def test_a_table_naming_a_block_outside_the_cache_is_refused(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_decode_rows_keep_the_decode_path(kind):
-    # a step's decode rows: the bits of the reference's decode batch (float32
-    # probabilities); a pure decode step is not taken at all
-    c = case(((100, 37), (1, 1), (300, 1), (70, 70)))
-    got, want = attention(c, kind), reference(c)
-    assert torch.equal(got[[37, 38]], want[[37, 38]])
-    assert not torch.equal(got[:37], want[:37])              # the prefill rows: the kernel's
+@pytest.mark.parametrize("dtype, window, sinks", [(torch.bfloat16, None, False),
+                                                  (torch.float32, None, False),
+                                                  (torch.float32, 64, True)])
+def test_decode_rows_get_the_decode_steps_bits(kind, dtype, window, sinks):
+    # a step's decode rows beside prefill chunks: the bits of the decode step's kernel on
+    # the same rows (CpuDecodeAttention given their rotated q, its RoPE the identity, no
+    # slot written), near float64's; a pure decode step is not taken at all
+    c = case(((100, 37), (1, 1), (300, 1), (70, 70)), window=window, sinks=sinks, dtype=dtype)
+    got = attention(c, kind)
+    (hq, hk), d, rows, seqs = c["heads"], 64, [37, 38], [1, 2]
+    step = tk.CpuDecodeAttention(kernel, (hq, hk, d), None, None, 1e-6, c["scale"], window,
+                                 c["sinks"], False)
+    qkv = torch.zeros(len(rows), (hq + 2 * hk) * d, dtype=dtype)
+    qkv[:, :hq * d] = c["q"][rows].reshape(len(rows), -1)
+    identity = torch.cat([torch.ones(1, d // 2), torch.zeros(1, d // 2)], dim=1)
+    want = step(qkv, torch.zeros(len(rows), dtype=torch.int64), identity, c["k"], c["v"],
+                torch.full((len(rows),), -1), c["tables"][seqs], c["lens"][seqs])
+    assert torch.equal(got[rows], want.view(len(rows), hq, d))
+    exact = float64(c)[rows]
+    assert (got[rows].double() - exact).abs().max() <= (
+        1e-5 if dtype == torch.float32 else 2 ** -7) * exact.abs().max()
     assert attention(case(((100, 1), (7, 1))), kind) is None
 
 
