@@ -373,3 +373,62 @@ def test_bf16_decode_step_on_the_native_call_is_the_torch_paths(q_lora, interlea
     rest = torch.ones(flat_got.shape[0], dtype=torch.bool)
     rest[written] = False
     assert torch.equal(flat_got[rest], start.view(-1, pool.shape[2])[rest])
+
+
+@pytest.mark.parametrize("q_lora,interleaved", [(16, True), (None, False)])
+def test_bf16_mixed_steps_decode_rows_on_the_native_call(q_lora, interleaved):
+    """A bf16 CPU engine's step that carries a prefill chunk beside decode rows: the decode
+    rows through the decode step's native call (their q_pe already rotated: RoPE by the
+    identity, no latent written), the chunk as before, against the torch path for all the
+    rows: within a few bf16 steps of the output's norm, each row's latent written once (the
+    same pool both ways)."""
+    import dataclasses
+
+    import triton_kernels as tk
+    from freetoken.engine.batch import ForwardBatch
+    from freetoken.engine.kv_cache import KVCache
+    if tk.native_kernels() is None:
+        pytest.skip("no C compiler: no native kernels")
+    layer, g = _layer(q_lora, seed=5, heads=11)
+    layer.cfg = dataclasses.replace(layer.cfg, rope_interleaved=interleaved)
+    layer = layer.bfloat16()
+    for m in layer.modules():
+        if hasattr(m, "pack_cpu"):
+            m.pack_cpu()
+    layer.bind_cpu()
+    c = layer.cfg
+    kv = KVCache({0: layer.cache_spec()}, 16, 4, torch.bfloat16, "cpu")
+    kv.layer(0)[0].copy_(torch.randn(kv.layer(0)[0].shape, generator=g))
+    # a decode row, a 5-token chunk over a cached prefix of 5, another decode row
+    tables = torch.tensor([[6, 1, 3, -1], [2, 7, 0, 9], [4, 8, -1, -1]], dtype=torch.int32)
+    lens = torch.tensor([10, 10, 6], dtype=torch.int32)
+    positions = torch.tensor([9, 5, 6, 7, 8, 9, 5])
+    seq_of = [0, 1, 1, 1, 1, 1, 2]
+    slots = torch.tensor([int(tables[b, p // 4]) * 4 + p % 4
+                          for b, p in zip(seq_of, positions.tolist())])
+    batch = ForwardBatch(input_ids=torch.zeros(7, dtype=torch.long), positions=positions,
+                         cu_seqlens_q=torch.tensor([0, 1, 6, 7], dtype=torch.int32),
+                         seq_lens=lens, block_tables=tables, slot_mapping=slots,
+                         logits_indices=torch.arange(7), max_seqlen_q=5, num_seqs=3, kv=kv)
+    x = torch.randn(7, c.hidden_size, generator=g).bfloat16()
+    pool = kv.layer(0)[0]
+    start = pool.clone()
+    native = layer.cpu_decode
+    rows = []
+    native_call = type(native).__call__
+    type(native).__call__ = lambda self, q, *a: rows.append(q.shape[0]) or native_call(
+        self, q, *a)
+    try:
+        got = layer(x, batch)
+    finally:
+        type(native).__call__ = native_call
+    got_pool = pool.clone()
+    pool.copy_(start)
+    layer.cpu_decode = None
+    want = layer(x, batch)
+    assert rows == [2]                          # the two decode rows, in one call
+    for r in ([0, 6], [1, 2, 3, 4, 5]):
+        assert ((got[r].float() - want[r].float()).norm()
+                / want[r].float().norm()).item() < 2 ** -6
+    assert torch.equal(got[1:6], want[1:6])     # the chunk's rows: the same path
+    assert torch.equal(got_pool, pool)          # the latents written by the step, once
