@@ -43,6 +43,48 @@ def _layer(q_lora, seed=0, heads=3):
     return layer, g
 
 
+def _bf16_cpu_layer(q_lora, interleaved, heads, seed):
+    """A layer as a bf16 CPU engine packs and binds it (linear.pack_for_cpu, bind_cpu), its
+    cache pool of 16 blocks of 4 random latents: (layer, generator, kv cache)."""
+    import dataclasses
+
+    import triton_kernels as tk
+    from freetoken.engine.kv_cache import KVCache
+    if tk.native_kernels() is None:
+        pytest.skip("no C compiler: no native kernels")
+    layer, g = _layer(q_lora, seed=seed, heads=heads)
+    layer.cfg = dataclasses.replace(layer.cfg, rope_interleaved=interleaved)
+    layer = layer.bfloat16()
+    for m in layer.modules():
+        if hasattr(m, "pack_cpu"):
+            m.pack_cpu()
+    layer.bind_cpu()
+    assert layer.cpu_decode is not None
+    kv = KVCache({0: layer.cache_spec()}, 16, 4, torch.bfloat16, "cpu")
+    kv.layer(0)[0].copy_(torch.randn(kv.layer(0)[0].shape, generator=g))
+    return layer, g, kv
+
+
+def _native_then_torch(layer, x, batch, pool):
+    """layer(x, batch) with its native decode call, then with the torch path from the same
+    cache pool: (native output, its pool, the rows of each native call, torch's output, the
+    pool before both); the pool is left as the torch path wrote it."""
+    start = pool.clone()
+    native = layer.cpu_decode
+    calls = []
+    native_call = type(native).__call__
+    type(native).__call__ = lambda self, q, *a: calls.append(q.shape[0]) or native_call(
+        self, q, *a)
+    try:
+        got = layer(x, batch)
+    finally:
+        type(native).__call__ = native_call
+    got_pool = pool.clone()
+    pool.copy_(start)
+    layer.cpu_decode = None
+    return got, got_pool, calls, layer(x, batch), start
+
+
 @pytest.mark.parametrize("q_lora", [16, None])
 def test_absorbed_equals_decompressed(q_lora):
     """Over a cached prefix in scattered blocks: a decode, a short chunk and a whole prompt."""
@@ -318,24 +360,9 @@ def test_bf16_decode_step_on_the_native_call_is_the_torch_paths(q_lora, interlea
     (ft_rms_norm's), k_pe within a bf16 step of its largest value (rope rounded once, not
     per op), and a
     sequence whose slot is -1 writes nothing. Three sequences over scattered blocks of 4."""
-    import dataclasses
-
-    import triton_kernels as tk
     from freetoken.engine.batch import ForwardBatch
-    from freetoken.engine.kv_cache import KVCache
-    if tk.native_kernels() is None:
-        pytest.skip("no C compiler: no native kernels")
-    layer, g = _layer(q_lora, seed=4, heads=heads)
-    layer.cfg = dataclasses.replace(layer.cfg, rope_interleaved=interleaved)
-    layer = layer.bfloat16()
-    for m in layer.modules():                 # a CPU engine's packing (linear.pack_for_cpu)
-        if hasattr(m, "pack_cpu"):
-            m.pack_cpu()
-    layer.bind_cpu()
-    assert layer.cpu_decode is not None
+    layer, g, kv = _bf16_cpu_layer(q_lora, interleaved, heads, seed=4)
     c = layer.cfg
-    kv = KVCache({0: layer.cache_spec()}, 16, 4, torch.bfloat16, "cpu")
-    kv.layer(0)[0].copy_(torch.randn(kv.layer(0)[0].shape, generator=g))
     tables = torch.tensor([[6, 1, 3, -1], [2, 7, 0, 9], [4, -1, -1, -1]], dtype=torch.int32)
     lens = torch.tensor([10, 15, 3], dtype=torch.int32)
     positions = (lens - 1).long()
@@ -347,19 +374,7 @@ def test_bf16_decode_step_on_the_native_call_is_the_torch_paths(q_lora, interlea
                          logits_indices=torch.arange(3), max_seqlen_q=1, num_seqs=3, kv=kv)
     x = torch.randn(3, c.hidden_size, generator=g).bfloat16()
     pool = kv.layer(0)[0]
-    start = pool.clone()
-    native = layer.cpu_decode
-    calls = []
-    native_call = type(native).__call__
-    type(native).__call__ = lambda *a, **k: calls.append(1) or native_call(*a, **k)
-    try:
-        got = layer(x, batch)
-    finally:
-        type(native).__call__ = native_call
-    got_pool = pool.clone()
-    pool.copy_(start)
-    layer.cpu_decode = None
-    want = layer(x, batch)
+    got, got_pool, calls, want, start = _native_then_torch(layer, x, batch, pool)
     assert calls and got.shape == want.shape == (3, c.hidden_size)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2 ** -6
     written = slots[:2]
@@ -382,23 +397,9 @@ def test_bf16_mixed_steps_decode_rows_on_the_native_call(q_lora, interleaved):
     identity, no latent written), the chunk as before, against the torch path for all the
     rows: within a few bf16 steps of the output's norm, each row's latent written once (the
     same pool both ways)."""
-    import dataclasses
-
-    import triton_kernels as tk
     from freetoken.engine.batch import ForwardBatch
-    from freetoken.engine.kv_cache import KVCache
-    if tk.native_kernels() is None:
-        pytest.skip("no C compiler: no native kernels")
-    layer, g = _layer(q_lora, seed=5, heads=11)
-    layer.cfg = dataclasses.replace(layer.cfg, rope_interleaved=interleaved)
-    layer = layer.bfloat16()
-    for m in layer.modules():
-        if hasattr(m, "pack_cpu"):
-            m.pack_cpu()
-    layer.bind_cpu()
+    layer, g, kv = _bf16_cpu_layer(q_lora, interleaved, heads=11, seed=5)
     c = layer.cfg
-    kv = KVCache({0: layer.cache_spec()}, 16, 4, torch.bfloat16, "cpu")
-    kv.layer(0)[0].copy_(torch.randn(kv.layer(0)[0].shape, generator=g))
     # a decode row, a 5-token chunk over a cached prefix of 5, another decode row
     tables = torch.tensor([[6, 1, 3, -1], [2, 7, 0, 9], [4, 8, -1, -1]], dtype=torch.int32)
     lens = torch.tensor([10, 10, 6], dtype=torch.int32)
@@ -412,20 +413,7 @@ def test_bf16_mixed_steps_decode_rows_on_the_native_call(q_lora, interleaved):
                          logits_indices=torch.arange(7), max_seqlen_q=5, num_seqs=3, kv=kv)
     x = torch.randn(7, c.hidden_size, generator=g).bfloat16()
     pool = kv.layer(0)[0]
-    start = pool.clone()
-    native = layer.cpu_decode
-    rows = []
-    native_call = type(native).__call__
-    type(native).__call__ = lambda self, q, *a: rows.append(q.shape[0]) or native_call(
-        self, q, *a)
-    try:
-        got = layer(x, batch)
-    finally:
-        type(native).__call__ = native_call
-    got_pool = pool.clone()
-    pool.copy_(start)
-    layer.cpu_decode = None
-    want = layer(x, batch)
+    got, got_pool, rows, want, _ = _native_then_torch(layer, x, batch, pool)
     assert rows == [2]                          # the two decode rows, in one call
     for r in ([0, 6], [1, 2, 3, 4, 5]):
         assert ((got[r].float() - want[r].float()).norm()
