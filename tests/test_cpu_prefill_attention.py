@@ -29,10 +29,6 @@ def _amx_runs() -> bool:
     return att.amx                      # (False once the kernel said this CPU has no AMX)
 
 
-# the vector kernel runs wherever the native kernels build; AMX's where the CPU has it
-KINDS = ["vector"] + (["amx"] if _amx_runs() else [])
-
-
 def case(seqs, hq=16, hk=4, dk=64, dv=64, bs=16, window=None, sinks=False, seed=0,
          stale=0.0, dtype=torch.bfloat16):
     """Sequences (context, new tokens) in a shuffled cache of keys and values in dtype, a
@@ -58,6 +54,10 @@ def case(seqs, hq=16, hk=4, dk=64, dv=64, bs=16, window=None, sinks=False, seed=
                 lens=torch.tensor([n for n, _ in seqs], dtype=torch.int32),
                 heads=(hq, hk), scale=dk ** -0.5, window=window,
                 sinks=torch.randn(hq, generator=g) if sinks else None)
+
+
+# the vector kernel runs wherever the native kernels build; AMX's where the CPU has it
+KINDS = ["vector"] + (["amx"] if _amx_runs() else [])
 
 
 def attention(c, kind="vector", pack_bytes=None):

@@ -45,7 +45,10 @@ static void load_tiles(void) {
     cfg.palette = 1;
     for (int i = 0; i < 8; i++)
         cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
+    /* (not GCC 12's _tile_loadconfig: its asm names only the config's first 8 bytes as
+     * read, so the stores of colsb and rows were dropped as dead and ldtilecfg met stack
+     * garbage: a general-protection fault, SIGSEGV, at the first AMX call) */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 static inline __m512 widen_bf16(__m256i h) {          /* 16 bf16 -> f32 */
