@@ -263,11 +263,12 @@ def test_native_int4_moe_matches_the_decoded_reference(group, symmetric, scale_d
 
 
 @pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, False), (32, True)])
-def test_native_int4_moe_with_bf16_activations_takes_the_pair_products(group, symmetric,
-                                                                       threads):
-    # bf16 x with K whole blocks of 128 (cpu_dot.h's i4b: vdpbf16ps on 128 + q, the offset
-    # taken back per group): against float64 on the decoded weights with the activations
-    # rounded to bf16 between the products, as the kernel (and a bf16 model) rounds them;
+def test_native_int4_moe_with_bf16_activations_takes_the_prepared_products(group, symmetric,
+                                                                           threads):
+    # bf16 x (cpu_dot.h's i4v or i4w where the build has one: x rounded to int16 per group,
+    # integer products, the offset taken back per group): against float64 on the decoded
+    # weights with the activations rounded to bf16 between the products, as a bf16 model
+    # rounds them;
     # groups of 32 to 128 (several a block, or one; symmetric rows of 4 and 8 groups); 1 to
     # 100 tokens (one row at a time, 4-row tiles, and the GEMM form's experts of 16 tokens
     # and more, float32 activations, beside the others); the same bits on 1 to 3 threads.
@@ -300,9 +301,9 @@ def test_native_int4_moe_with_bf16_activations_takes_the_pair_products(group, sy
 
 
 @pytest.mark.parametrize("group", [32, 256])
-def test_native_int4_linear_pair_products_take_groups_longer_than_a_block(group, threads):
-    # Groups of 256 span two of i4b's 128-weight blocks (the offset is taken back once a
-    # group); nibbles, scales and zero points drawn directly, against float64 on
+def test_native_int4_linear_takes_groups_longer_than_a_block(group, threads):
+    # Groups of 256 span two of i4v's 128-weight blocks (each block takes back its lanes'
+    # share of the offset) and eight of i4w's 32-weight ones; nibbles, scales and zero points drawn directly, against float64 on
     # W = (q - z) s; one to five tokens, the same bits on 1 and 2 threads.
     g = torch.Generator().manual_seed(group)
     n, k = 48, 512
@@ -328,20 +329,21 @@ def test_native_int4_linear_pair_products_take_groups_longer_than_a_block(group,
 
 @pytest.mark.parametrize("group,zeros", [(32, True), (64, False), (128, True), (256, False)])
 def test_native_int4_int16_activations_are_the_documented_rounding(group, zeros, threads):
-    # AVX2 builds (cpu_dot.h's i4w) round 16-bit x to int16 per group: sx = max |x| / 32767,
-    # xq = round(x * (32767 / max |x|)) in float32, and the sums are W . (sx xq) (q xq exact
-    # in int32, the offsets from sx sum xq). That in float64 matches the kernel to float32's
-    # summing of the two terms before they cancel (q s and m X), and the float64 product on
-    # the unrounded x within the rounding's own bound. One group carries a 1000x outlier (its
-    # small elements lose bits) and one is all zeros; 5 groups a row (the two-group loop and
-    # its tail); 41 rows (4-row tiles and a last single row); 1 to 5 tokens (4-row tiles at
-    # one, a row at a time at more); 1 and 2 threads.
+    # AVX2 and AVX512-VNNI builds (cpu_dot.h's i4w, i4v) round 16-bit x to int16 per group:
+    # sx = max |x| / 32767, xq = round(x * (32767 / max |x|)) in float32, and the sums are
+    # W . (sx xq) (q xq exact in int32, the offsets from sx sum xq). That in float64 matches
+    # the kernel to float32's summing of the two terms before they cancel (q s and m X), and
+    # the float64 product on the unrounded x within the rounding's own bound. One group
+    # carries a 1000x outlier (its small elements lose bits) and one is all zeros; 7 groups a
+    # row (i4w's two-group loop and its tail; i4v's 128-weight blocks and a last one of 96 or
+    # 64 at groups of 32 and 64); 41 rows (4-row tiles and a last single row); 1 to 5 tokens
+    # (4-row tiles at one, a row at a time at more); 1 and 2 threads.
     kernel = tk.native_kernels()
     if kernel.int4_activations != "int16":
         pytest.skip(f"this build's int4 products take 16-bit x as it is "
                     f"({kernel.int4_activations})")
     g = torch.Generator().manual_seed(group)
-    n, k = 41, 5 * group
+    n, k = 41, 7 * group
     q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     s = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).bfloat16()
     z = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8) if zeros else None

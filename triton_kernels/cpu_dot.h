@@ -712,138 +712,8 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
 #undef CASE
 }
 
-/* INT4 rows against bf16 activations through AVX512-BF16's pair products (vdpbf16ps), where
- * the CPU has them and K is whole blocks of I4B_BLOCK. load_int4's widening (a zero-extend,
- * two converts and two FMAs for 32 weights) bound a core under DRAM speed: 1024-long g32
- * rows streamed cold on the 2-core Xeon at 16-17 GB/s (nibbles and pairs) on two threads,
- * 21-23 here; in cache 1.5x. The bench's INT4 model's batch-1 step: 8.3-8.5 -> 7.5-8.1 ms.
- *
- * A block of 128 weights is 64 bytes of nibbles, its 128-bit lane L the elements [32L, 32L
- * + 32). Each byte's low and high nibble is interleaved with the byte 0x43 (one unpack a
- * 32 weights): the bf16 word 0x43nn is 128 + nn exactly (bf16's 8 significant bits), so
- * no conversion runs. The four vectors an unpack gives (low/high nibbles, low/high half of
- * each lane) hold in lane L words of group(32L) only, so one vector of the lanes' group
- * scales applies to their four pair products summed, and W = (q - z) s becomes
- *     sum_j W_j x_j = sum_groups s (sum_j (128 + q_j) x_j) + (m - 128 s) X,   m = -z s,
- * with X the group's sum of x: the second term is the pairs (s, m) against (-128 X, X) per
- * group (FT_INT4S: s against -136 X), one FMA a block. x is rounded to bf16 once
- * (i4b_prepare: the activations of a bf16 model are bf16), X summed from the rounded values;
- * the products are exact and their sums float32, ~5e-7 of sum |W x| off the float32 one (the
- * offset's cancellation). */
-#if VW == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define FT_I4B 1
-#else
-#define FT_I4B 0
-#endif
-#define I4B_BLOCK 128
-
-/* The position of element e of a row in i4b's x: per block, the four unpack vectors (low
- * nibbles' low half, their high half, then the high nibbles'), each lane's 8 words in turn. */
-static inline int64_t i4b_index(int64_t e) {
-    int64_t base = e - e % I4B_BLOCK, r = e % I4B_BLOCK;
-    int64_t lane = r / 32, in = r % 32, half = in / 16, odd = in & 1;
-    return base + (odd * 2 + half) * 32 + lane * 8 + (in % 16) / 2;
-}
-
-/* One row of x (float32, k elements) -> xb [k] bf16 in i4b_index's order (nearest even)
- * and x2 [2 * k / G] from each group's sum X of the rounded values: the pairs (-128 X, X)
- * for FT_INT4's (s, m), -136 X (the first k / G) for FT_INT4S's s (m = -8 s). */
-static inline void i4b_prepare(const float *x, int64_t k, int gshift, int fmt, uint16_t *xb,
-                               float *x2) {
-    const int64_t groups = k >> gshift;
-    for (int64_t g = 0; g < groups; g++) {
-        float sum = 0.f;
-        for (int64_t e = g << gshift; e < (g + 1) << gshift; e++) {
-            float f = round_to(x[e], 0);
-            uint32_t u;
-            memcpy(&u, &f, sizeof u);
-            xb[i4b_index(e)] = (uint16_t)(u >> 16);
-            sum += f;
-        }
-        if (fmt == FT_INT4) {
-            x2[2 * g] = -128.f * sum;
-            x2[2 * g + 1] = sum;
-        } else {
-            x2[g] = -136.f * sum;
-        }
-    }
-}
-
-#if FT_I4B
-/* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm the
- * values x2 meets (FT_INT4: the (s, m) pairs; FT_INT4S: the s), s each lane's group's s. */
-static inline __attribute__((always_inline)) void
-i4b_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *sm, __m512 *s) {
-    const int g = 1 << gshift, stride = fmt == FT_INT4 ? 2 : 1;     /* floats a group in sm */
-    const __m512i lane = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                       : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                                 : _mm512_setzero_si512();
-    const __mmask16 mask = (__mmask16)((1u << (stride * groups)) - 1);
-    if (fmt == FT_INT4) {
-        *sm = _mm512_maskz_loadu_ps(mask, (const float *)gs + 2 * g0);
-    } else {
-        __m128i h = _mm_maskz_loadu_epi16((__mmask8)mask, (const uint16_t *)gs + g0);
-        __m512i wide = _mm512_cvtepu16_epi32(_mm256_zextsi128_si256(h));
-        *sm = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));       /* bf16 -> float32 */
-    }
-    *s = _mm512_permutexvar_ps(stride == 2 ? _mm512_add_epi32(lane, lane) : lane, *sm);
-}
-
-/* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows in FMT (gs[r]: their scales) and NT
- * tokens in i4b's form (xb[t], x2[t]), k a multiple of I4B_BLOCK. */
-static inline __attribute__((always_inline)) void
-i4b_tile(const void *const *w, const void *const *gs, const int gshift, const uint16_t *const *xb,
-         const float *const *x2, const int64_t k, const int NR, const int NT, const int FMT,
-         float *res) {
-    const __m512i low = _mm512_set1_epi8(0x0f), hi_byte = _mm512_set1_epi8(0x43);
-    const int g = 1 << gshift, stride = FMT == FT_INT4 ? 2 : 1;
-    const int pairs = g >= I4B_BLOCK ? 1 : I4B_BLOCK / g;       /* a block's groups */
-    const __mmask16 mask = (__mmask16)((1u << (stride * pairs)) - 1);
-    __m512 acc[MAXR][MAXT], cor[MAXR][MAXT];
-    #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
-        #pragma GCC unroll 4
-        for (int t = 0; t < NT; t++)
-            acc[r][t] = cor[r][t] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < k; j += I4B_BLOCK) {
-        const int first = g <= I4B_BLOCK || (j & (g - 1)) == 0;    /* a group starts here */
-        #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) {
-            const uint8_t *p = (const uint8_t *)w[r] + j / 2;
-            __builtin_prefetch(p + PF_BYTES, 0, 1);
-            __m512i v = _mm512_loadu_si512(p);
-            __m512i lo = _mm512_and_si512(v, low);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            __m512bh wv[4] = {(__m512bh)_mm512_unpacklo_epi8(lo, hi_byte),
-                              (__m512bh)_mm512_unpackhi_epi8(lo, hi_byte),
-                              (__m512bh)_mm512_unpacklo_epi8(hi, hi_byte),
-                              (__m512bh)_mm512_unpackhi_epi8(hi, hi_byte)};
-            __m512 sm, s;
-            i4b_scales(gs[r], j >> gshift, pairs, gshift, FMT, &sm, &s);
-            #pragma GCC unroll 4
-            for (int t = 0; t < NT; t++) {
-                const __m512i *xv = (const __m512i *)(xb[t] + j);
-                __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[0], (__m512bh)_mm512_loadu_si512(xv));
-                __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[1], (__m512bh)_mm512_loadu_si512(xv + 1));
-                d0 = _mm512_dpbf16_ps(d0, wv[2], (__m512bh)_mm512_loadu_si512(xv + 2));
-                d1 = _mm512_dpbf16_ps(d1, wv[3], (__m512bh)_mm512_loadu_si512(xv + 3));
-                acc[r][t] = _mm512_fmadd_ps(s, _mm512_add_ps(d0, d1), acc[r][t]);
-                if (first)
-                    cor[r][t] = _mm512_fmadd_ps(
-                        sm, _mm512_maskz_loadu_ps(mask, x2[t] + stride * (j >> gshift)), cor[r][t]);
-            }
-        }
-    }
-    #pragma GCC unroll 4
-    for (int r = 0; r < NR; r++)
-        #pragma GCC unroll 4
-        for (int t = 0; t < NT; t++)
-            res[r * MAXT + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t], cor[r][t]));
-}
-#endif
-
 /* INT4 rows against int16 activations through AVX2's pair products (vpmaddwd), where the
- * CPU has no AVX512-BF16 and groups are whole blocks of I4W_BLOCK. load_int4's widening (an
+ * CPU has AVX2 and no AVX-512, and groups are whole blocks of I4W_BLOCK. load_int4's widening (an
  * extend, two shifts or masks, two converts, two FMAs to form W and two to meet x: ~9 ops a
  * 16 weights) bound the 2-core EPYC's INT4 decode at ~40% of DRAM speed. Here each group's
  * x is rounded to int16 once per token (i4w_prepare: sx = max |x| / 32767 of the group,
@@ -865,8 +735,54 @@ i4b_tile(const void *const *w, const void *const *gs, const int gshift, const ui
 #else
 #define FT_I4W 0
 #endif
+/* AVX-512's form of the same products (i4v, below), where the CPU has AVX512-VNNI */
+#if VW == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define FT_I4V 1
+#else
+#define FT_I4V 0
+#endif
 #define I4W_BLOCK 32
 #define I4W_ONE 32767.f
+
+#if FT_I4W || FT_I4V
+/* x's int16 unit for a group of g elements (g a multiple of 8): 32767 / max |x| (0 for an
+ * all-zero group, or one below float32's reach of it, ~1e-34), *amax its max |x|, *finite
+ * whether it holds no nan or inf (their c is then a nan). */
+static inline float i16_unit(const float *x, int64_t g, float *amax_out, int *finite) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
+    for (int64_t e = 0; e < g; e += 8) {
+        const __m256 v = _mm256_loadu_ps(x + e);
+        vmax = _mm256_max_ps(_mm256_andnot_ps(sign, v), vmax);   /* (a nan: ignored) */
+        vsum = _mm256_add_ps(vsum, v);                          /* (for nan and inf) */
+    }
+    float lanes[8], amax = 0.f;
+    _mm256_storeu_ps(lanes, vmax);
+    for (int l = 0; l < 8; l++)
+        amax = lanes[l] > amax ? lanes[l] : amax;
+    _mm256_storeu_ps(lanes, vsum);
+    float sum = 0.f;
+    for (int l = 0; l < 8; l++)
+        sum += lanes[l];
+    *finite = amax <= 3.4e38f && sum == sum;
+    float inv = *finite && amax > 0.f ? I4W_ONE / amax : 0.f;
+    if (!(inv <= 3.4e38f))
+        inv = 0.f;
+    *amax_out = amax;
+    return inv;
+}
+
+/* 32 elements of x at the unit inv -> q [32] (nearest even, within +-32767) */
+static inline void i16_block(const float *x, float inv, int32_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(I4W_ONE);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (int v = 0; v < I4W_BLOCK / 8; v++) {
+        __m256 f = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * v), vinv);
+        f = _mm256_min_ps(_mm256_max_ps(f, _mm256_xor_ps(top, sign)), top);
+        _mm256_storeu_si256((__m256i *)(q + 8 * v), _mm256_cvtps_epi32(f));
+    }
+}
+#endif
 
 #if FT_I4W
 /* One row of x (float32, k elements) -> xq [k] int16, per block of 32 the even elements, then
@@ -878,34 +794,14 @@ i4b_tile(const void *const *w, const void *const *gs, const int gshift, const ui
 static inline void i4w_prepare(const float *x, int64_t k, int gshift, int fmt, int16_t *xq,
                                float *x2) {
     const int64_t g = (int64_t)1 << gshift;
-    const __m256 sign = _mm256_set1_ps(-0.f), top = _mm256_set1_ps(I4W_ONE);
     for (int64_t g0 = 0; g0 < k; g0 += g) {
-        __m256 vmax = _mm256_setzero_ps(), vsum = _mm256_setzero_ps();
-        for (int64_t e = g0; e < g0 + g; e += 8) {
-            const __m256 v = _mm256_loadu_ps(x + e);
-            vmax = _mm256_max_ps(_mm256_andnot_ps(sign, v), vmax);   /* (a nan: ignored) */
-            vsum = _mm256_add_ps(vsum, v);                          /* (for nan and inf) */
-        }
-        float lanes[8], amax = 0.f;
-        _mm256_storeu_ps(lanes, vmax);
-        for (int l = 0; l < 8; l++)
-            amax = lanes[l] > amax ? lanes[l] : amax;
-        vf vs;
-        memcpy(&vs, &vsum, sizeof vs);
-        const float sum = hsum(vs);
-        const int finite = amax <= 3.4e38f && sum == sum;
-        float inv = finite && amax > 0.f ? I4W_ONE / amax : 0.f;
-        if (!(inv <= 3.4e38f))
-            inv = 0.f;
-        const __m256 vinv = _mm256_set1_ps(inv);
+        float amax;
+        int finite;
+        const float inv = i16_unit(x + g0, g, &amax, &finite);
         int32_t qsum = 0;
         for (int64_t b = g0; b < g0 + g; b += I4W_BLOCK) {
             int32_t q[I4W_BLOCK];
-            for (int v = 0; v < I4W_BLOCK / 8; v++) {
-                __m256 f = _mm256_mul_ps(_mm256_loadu_ps(x + b + 8 * v), vinv);
-                f = _mm256_min_ps(_mm256_max_ps(f, _mm256_xor_ps(top, sign)), top);
-                _mm256_storeu_si256((__m256i *)(q + 8 * v), _mm256_cvtps_epi32(f)); /* nearest even */
-            }
+            i16_block(x + b, inv, q);
             for (int i = 0; i < I4W_BLOCK / 2; i++) {
                 xq[b + i] = (int16_t)q[2 * i];
                 xq[b + I4W_BLOCK / 2 + i] = (int16_t)q[2 * i + 1];
@@ -1020,22 +916,173 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
 }
 #endif
 
-/* int4 rows against x in a prepared form (i4b's bf16 pairs with AVX512-BF16, else i4w's
- * int16 with AVX2), where i4x_takes: K whole blocks, groups of 2^gshift, x in xfmt. */
+/* INT4 rows against int16 activations through AVX512-VNNI's byte products (vpdpbusd), where
+ * the CPU has them: i4w's rounding of x (the same xq, sx and sums W . (sx xq)), a block of 128
+ * weights a vector. AVX512-BF16's pair products on x as bf16 (each nibble unpacked beside 0x43
+ * as the word 128 + q: four unpacks and four vdpbf16ps a 128) ran a 1024-long g32 row in L2
+ * at 22.6 G weights/s a core on the 2-core Sapphire Rapids, this form at 40.6.
+ * Each xq splits into a signed high byte and an unsigned low one, xq = 256 h + l, and a
+ * block's 64 bytes of nibbles are its even elements (the low nibbles, masked) and its odd
+ * ones (shifted, masked): vpdpbusd takes an unsigned operand and a signed one, so
+ * l (unsigned) meets q (as signed: 0..15) and q (unsigned) meets h (signed), and each int32
+ * lane j sums the 8 elements 8j .. 8j + 7 of the block: L = sum q l, H = sum q h, exactly
+ * (|H| <= 8 * 15 * 128), and u = 256 H + L = sum q xq, as i4w's int32 sums. Per block, in
+ * lanes: s (sx u + c), and FT_INT4's m c apart, with each lane's group's s (and m), sx and c
+ * (a group's G / 8 lanes over its blocks carry c = -8 X / (G / 8) for FT_INT4S, X / (G / 8)
+ * for FT_INT4: summed, its m X). x in bytes (i4v_prepare), per block of n elements (128, or
+ * a row's last 32, 64 or 96): l of the evens, l of the odds, h of the evens, h of the odds,
+ * n / 2 bytes each. */
+#define I4V_BLOCK 128
+
+#if FT_I4V
+/* One row of x (float32, k elements, a multiple of 32) -> xb [2k] bytes in i4v's order, x2
+ * [2 * k / G] (sx, c) a group: i4w's rounding, i4v's c. */
+static inline void i4v_prepare(const float *x, int64_t k, int gshift, int fmt, uint8_t *xb,
+                               float *x2) {
+    const int64_t g = (int64_t)1 << gshift;
+    for (int64_t g0 = 0; g0 < k; g0 += g) {
+        float amax;
+        int finite;
+        const float inv = i16_unit(x + g0, g, &amax, &finite);
+        int32_t qsum = 0;
+        for (int64_t b = g0; b < g0 + g; b += I4W_BLOCK) {
+            const int64_t j = b - b % I4V_BLOCK, in = b - j;                /* its block */
+            const int64_t half = (k - j < I4V_BLOCK ? k - j : I4V_BLOCK) / 2;
+            uint8_t *o = xb + 2 * j + in / 2;
+            int32_t q[I4W_BLOCK];
+            i16_block(x + b, inv, q);
+            for (int i = 0; i < I4W_BLOCK / 2; i++) {
+                const int32_t e = q[2 * i], d = q[2 * i + 1];
+                o[i] = (uint8_t)(e & 255);
+                o[half + i] = (uint8_t)(d & 255);
+                o[2 * half + i] = (uint8_t)(int8_t)(e >> 8);
+                o[3 * half + i] = (uint8_t)(int8_t)(d >> 8);
+                qsum += e + d;
+            }
+        }
+        const float sx = amax / I4W_ONE, xs = sx * (float)qsum, lanes = (float)(g / 8);
+        const float c = fmt == FT_INT4S ? -8.f * xs / lanes : xs / lanes;
+        x2[2 * (g0 >> gshift)] = sx;
+        x2[2 * (g0 >> gshift) + 1] = finite ? c : NAN;
+    }
+}
+
+/* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm the
+ * values x2 meets (FT_INT4: the (s, m) pairs; FT_INT4S: the s), s each lane's group's s. */
+static inline __attribute__((always_inline)) void
+i4v_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *sm, __m512 *s) {
+    const int g = 1 << gshift, stride = fmt == FT_INT4 ? 2 : 1;     /* floats a group in sm */
+    const __m512i lane = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                       : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                 : _mm512_setzero_si512();
+    const __mmask16 mask = (__mmask16)((1u << (stride * groups)) - 1);
+    if (fmt == FT_INT4) {
+        *sm = _mm512_maskz_loadu_ps(mask, (const float *)gs + 2 * g0);
+    } else {
+        __m128i h = _mm_maskz_loadu_epi16((__mmask8)mask, (const uint16_t *)gs + g0);
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_zextsi128_si256(h));
+        *sm = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));       /* bf16 -> float32 */
+    }
+    *s = _mm512_permutexvar_ps(stride == 2 ? _mm512_add_epi32(lane, lane) : lane, *sm);
+}
+
+
+/* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows in FMT (gs[r]: their scales) and NT
+ * tokens in i4v's form (xb[t], x2[t]), k a multiple of 32, groups of 2^gshift >= 32. */
+static inline __attribute__((always_inline)) void
+i4v_tile(const void *const *w, const void *const *gs, const int gshift, const uint8_t *const *xb,
+         const float *const *x2, const int64_t k, const int NR, const int NT, const int FMT,
+         float *res) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int g = 1 << gshift;
+    /* a lane's group within a block (its sx, c: the pair's floats 2 lane and 2 lane + 1) */
+    const __m512i lane = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
+                       : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
+                                 : _mm512_setzero_si512();
+    const __m512i lane_c = _mm512_add_epi32(lane, _mm512_set1_epi32(1));
+    __m512 acc[MAXR][MAXT], cor[MAXR][MAXT];
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            acc[r][t] = cor[r][t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += I4V_BLOCK) {
+        const int64_t n = k - j < I4V_BLOCK ? k - j : I4V_BLOCK, half = n / 2;
+        const __mmask64 bytes = n == I4V_BLOCK ? ~(__mmask64)0 : ((__mmask64)1 << half) - 1;
+        const __mmask16 lanes = (__mmask16)((1u << (n / 8)) - 1);
+        const int groups = g >= I4V_BLOCK ? 1 : (int)(n >> gshift);
+        __m512 sx[MAXT], c[MAXT];
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const float *p2 = x2[t] + 2 * (j >> gshift);
+            if (g >= I4V_BLOCK) {
+                sx[t] = _mm512_set1_ps(p2[0]);
+                c[t] = _mm512_set1_ps(p2[1]);
+            } else {
+                const __m512 pair = _mm512_maskz_loadu_ps((__mmask16)((1u << (2 * groups)) - 1), p2);
+                sx[t] = _mm512_permutexvar_ps(lane, pair);
+                c[t] = _mm512_maskz_permutexvar_ps(lanes, lane_c, pair);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *p = (const uint8_t *)w[r] + j / 2;
+            __builtin_prefetch(p + PF_BYTES, 0, 1);
+            const __m512i v = _mm512_maskz_loadu_epi8(bytes, p);
+            const __m512i lo = _mm512_and_si512(v, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            __m512 sm, s;
+            i4v_scales(gs[r], j >> gshift, groups, gshift, FMT, &sm, &s);
+            /* (FT_INT4's m: the odd floats of sm's pairs, as c's of x2's) */
+            const __m512 m = FMT == FT_INT4 ? _mm512_permutexvar_ps(lane_c, sm)
+                                            : _mm512_setzero_ps();
+            #pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const uint8_t *xp = xb[t] + 2 * j;
+                const __m512i le = _mm512_maskz_loadu_epi8(bytes, xp);
+                const __m512i lo_ = _mm512_maskz_loadu_epi8(bytes, xp + half);
+                const __m512i he = _mm512_maskz_loadu_epi8(bytes, xp + 2 * half);
+                const __m512i ho = _mm512_maskz_loadu_epi8(bytes, xp + 3 * half);
+                __m512i L = _mm512_dpbusd_epi32(_mm512_setzero_si512(), le, lo);
+                L = _mm512_dpbusd_epi32(L, lo_, hi);
+                __m512i H = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, he);
+                H = _mm512_dpbusd_epi32(H, hi, ho);
+                const __m512 u = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(H, 8), L));
+                if (FMT == FT_INT4S) {
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_fmadd_ps(u, sx[t], c[t]), s, acc[r][t]);
+                } else {
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_mul_ps(u, sx[t]), s, acc[r][t]);
+                    cor[r][t] = _mm512_fmadd_ps(c[t], m, cor[r][t]);
+                }
+            }
+        }
+    }
+    #pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < NT; t++)
+            res[r * MAXT + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t], cor[r][t]));
+}
+#endif
+
+/* int4 rows against x in a prepared form (int16 per group: i4v's bytes with AVX512-VNNI, else
+ * i4w's words with AVX2), where i4x_takes: 16-bit x, K whole blocks of 32, groups of 2^gshift
+ * (32 to 2^15). */
 static inline int i4x_takes(int64_t k, int gshift, int xfmt) {
-    if (FT_I4B)
-        return xfmt == 0 && k % I4B_BLOCK == 0;
-    return FT_I4W && xfmt != 2 && (1 << gshift) >= I4W_BLOCK && gshift <= 15
+    return (FT_I4V || FT_I4W) && xfmt != 2 && (1 << gshift) >= I4W_BLOCK && gshift <= 15
            && k % I4W_BLOCK == 0;
 }
 
-/* One row of x (float32) in the prepared form: xb [k] 16-bit words, x2 [2 * k / G] floats. */
+/* One row of x (float32) in the prepared form: xb [k] 16-bit words' room, x2 [2 * k / G]
+ * floats. */
 static inline void i4x_prepare(const float *x, int64_t k, int gshift, int fmt, uint16_t *xb,
                                float *x2) {
-#if FT_I4W
+#if FT_I4V
+    i4v_prepare(x, k, gshift, fmt, (uint8_t *)xb, x2);
+#elif FT_I4W
     i4w_prepare(x, k, gshift, fmt, (int16_t *)xb, x2);
 #else
-    i4b_prepare(x, k, gshift, fmt, xb, x2);
+    (void)x, (void)k, (void)gshift, (void)fmt, (void)xb, (void)x2;
 #endif
 }
 
@@ -1044,8 +1091,24 @@ static inline void i4x_prepare(const float *x, int64_t k, int gshift, int fmt, u
 static inline void i4x_dots(const void *const *w, const void *const *gs, int gshift,
                             const uint16_t *const *xb, const float *const *x2, int64_t k, int nr,
                             int nt, int fmt, float *res) {
-#if FT_I4B
-#define TILE(R, T, F) i4b_tile(w, gs, gshift, xb, x2, k, R, T, F, res)
+#if FT_I4V
+    /* One token: 4 rows a call (x's bytes read once for them); more: a row at a time (each
+     * token's 4 vectors of x and its sums, against 4 rows, outgrow the registers). */
+#define TILE(R, T, F)                                                                       \
+    if (T == 1 && R == MAXR) do {                                                           \
+        const uint8_t *const *xq = (const uint8_t *const *)xb;                              \
+        if (gshift == 5) i4v_tile(w, gs, 5, xq, x2, k, R, 1, F, res);                      \
+        else if (gshift == 7) i4v_tile(w, gs, 7, xq, x2, k, R, 1, F, res);                 \
+        else i4v_tile(w, gs, gshift, xq, x2, k, R, 1, F, res);                              \
+    } while (0); else                                                                       \
+    for (int r = 0; r < R; r++) do {                                                        \
+        const uint8_t *const *xq = (const uint8_t *const *)xb;                              \
+        const void *const *wr = w + r, *const *gr = gs + r;                                 \
+        float *out = res + r * MAXT;                                                        \
+        if (gshift == 5) i4v_tile(wr, gr, 5, xq, x2, k, 1, T, F, out);                     \
+        else if (gshift == 7) i4v_tile(wr, gr, 7, xq, x2, k, 1, T, F, out);                \
+        else i4v_tile(wr, gr, gshift, xq, x2, k, 1, T, F, out);                             \
+    } while (0)
 #elif FT_I4W
     /* The common group sizes at compile time (a group's blocks unrolled, no loop). One
      * token: 4 rows at a time (x's words read once for them, one call and one loop for 4
@@ -1070,7 +1133,7 @@ static inline void i4x_dots(const void *const *w, const void *const *gs, int gsh
         else i4w_tile(wr, gr, gshift, xq, x2, k, 1, T, F, out);                             \
     } while (0)
 #endif
-#if FT_I4B || FT_I4W
+#if FT_I4V || FT_I4W
 #define CASE(R, T)                                                                  \
     if (nr == R && nt == T) {                                                       \
         if (fmt == FT_INT4) TILE(R, T, FT_INT4);                                    \
@@ -1185,16 +1248,6 @@ static inline int f8l_scratch(uint16_t **dec, int *tried, int64_t words) {
         *dec = malloc(words * sizeof **dec);
     }
     return *dec != NULL;
-}
-
-/* Weight rows a call takes where n tokens meet them: MAXR (dots runs them one after
- * another on the first pass: its `cold`), but for prepared int4 (i4x's form) on AVX-512
- * (i4b) one below MAXT: a tile's rows side by side are MAXR streams, and i4b's tiles are not
- * measured otherwise. On AVX2 (i4w) MAXR at any count (i4x_dots runs 2-3 tokens a row at a
- * time): its decode is compute-bound, and 4 rows a call won (the INT4 bench model's batch-1
- * step 8.2-10.2 -> 7.2-8.9 ms). */
-static inline int tile_rows(int64_t n, int prepared) {
-    return n >= MAXT || !prepared || FT_I4W ? MAXR : 1;
 }
 
 /* The rows of the tile at row r (of a weight's rows, items ending at r1): `together` where

@@ -56,7 +56,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
 #pragma omp single nowait
         team = omp_get_num_threads();
         widen_rows(x, xfmt, t_count, k, wfmt, wide, xp, gshift, i4x ? xb : NULL, x2);
-        /* item = `rows` weight rows, for every token, tile_rows of them at a time */
+        /* item = `rows` weight rows, for every token, MAXR of them at a time */
         for (;;) {
             /* a thread without its scratch takes no items (the others take them all) */
             int64_t item = (scaled_x && !xsc) ? items
@@ -73,13 +73,12 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     xsb[t] = xb + (t0 + t) * k;
                     xs2[t] = x2 + (t0 + t) * gx;
                 }
-                const int together = tile_rows(t_count, i4x);
                 int64_t block = -1;                 /* fp8: the row block xsc is scaled for */
                 const float *xv[MAXT];
                 for (int t = 0; t < nt; t++)
                     xv[t] = xs[t];
                 for (int64_t r = r0; r < r1;) {
-                    int nr = tile_at(r, r1, together);
+                    int nr = tile_at(r, r1, MAXR);
                     if (wfmt == FT_E4M3)
                         nr = fp8_rows(r, nr, bn, bk, &block, xs, xv, nt, xsc, k, scales, cb);
                     const void *ws[MAXR];
@@ -112,9 +111,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
 }
 
 /* How the int4 products meet 16-bit activations on this build (cpu_dot.h's i4x): 0 widened
- * to float32 as they are, 1 AVX512-BF16's pair products on them as they are, 2 rounded to
- * int16 per group for AVX2's (i4w). */
-int ft_int4_activations(void) { return FT_I4B ? 1 : FT_I4W ? 2 : 0; }
+ * to float32 as they are, 2 rounded to int16 per group (AVX512-VNNI's i4v, AVX2's i4w). */
+int ft_int4_activations(void) { return FT_I4V || FT_I4W ? 2 : 0; }
 
 /* How this build widens e4m3 weights (cpu_dot.h): 0 through float16 (vcvtph2ps, or the
  * compiler's conversion), 1 AVX2's byte tables (FT_F8L), 2 AVX2's shifts (FT_F8L_SHIFT). */

@@ -232,8 +232,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
     if ((is_int4(fmt) && (bk < 2 * VW || (bk & (bk - 1)) || d % bk || width % bk))
         || fmt == FT_INT8 || (fmt == FT_E4M3 && (!s13 || !s2)))
         return -3;                          /* (int8: the native GEMV's alone) */
-    /* int4 in a prepared form where the CPU has one (cpu_dot.h's i4x: AVX512-BF16's pair
-     * products, the activations rounded to bf16 as a bf16 model's are; or AVX2's int16 ones) */
+    /* int4 in a prepared form where the CPU has one (cpu_dot.h's i4x: 16-bit activations
+     * rounded to int16 per group, AVX512-VNNI's byte products or AVX2's pair products) */
     const int i4x = is_int4(fmt) && i4x_takes(d, gshift, xfmt) && i4x_takes(width, gshift, 0);
     const int64_t pairs = t_count * k_count;
     /* The pairs by slot (counting sort, stable: a slot's pairs in (token, k) order). */
@@ -397,7 +397,6 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     xs2[t] = x2 + (mine[t0 + t] / k_count) * gx;
                 }
                 float g[ROWS][MAXT], u[ROWS][MAXT];
-                const int together = tile_rows(n, i4x);
                 const int decoded = f8l_decodes(fmt, n, d)
                                     && f8l_scratch(&dec, &dec_tried, dec_words);
                 for (int half = 0; half < 2; half++) {
@@ -408,7 +407,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         xv[t] = xs[t];
                     for (int64_t i = i0; i < i1;) {
                         int64_t row = half * width + i;           /* the expert's w13 row */
-                        int nr = tile_at(i, i1, together);
+                        int nr = tile_at(i, i1, MAXR);
                         if (fmt == FT_E4M3)
                             nr = fp8_rows(row, nr, bn, bk, &block, xs, xv, nt, xsc, d,
                                           (const float *)s13 + s * rb13 * cb13, cb13);
@@ -494,12 +493,11 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         sum[t] = acc + (mine[t0 + t] / k_count) * d;
                         wt[t] = wts[mine[t0 + t]];
                     }
-                    const int together = tile_rows(n, i4x);
                     const int decoded = f8l_decodes(fmt, n, width)
                                         && f8l_scratch(&dec, &dec_tried, dec_words);
                     int64_t block = -1;             /* fp8: the row block xsc is scaled for */
                     for (int64_t r = r0; r < r1;) {
-                        int nr = tile_at(r, r1, together);
+                        int nr = tile_at(r, r1, MAXR);
                         if (fmt == FT_E4M3)
                             nr = fp8_rows(r, nr, bn, bk, &block, hs, hv, nt, xsc, width,
                                           (const float *)s2 + s * rb2 * cb2, cb2);

@@ -118,8 +118,8 @@ class NativeKernels:
         fn = lib.ft_int4_activations
         fn.argtypes = []
         fn.restype = c_int
-        # how int4 rows meet 16-bit activations: "float32" as they are, "bf16" pairs as they
-        # are (AVX512-BF16), or "int16" (AVX2: rounded per group, cpu_dot.h's i4w)
+        # how int4 rows meet 16-bit activations: "float32" as they are, or "int16" (rounded
+        # per group: AVX512-VNNI's byte products, AVX2's pairs; cpu_dot.h's i4v, i4w)
         self.int4_activations = ("float32", "bf16", "int16")[fn()]
         fn = lib.ft_e4m3_decode
         fn.argtypes = []

@@ -82,17 +82,20 @@ class Int4Linear:
     Given the checkpoint's nibbles as the native kernels read them (rows:
     cpu_linear.QuantRows, the nibbles and a symmetric weight's bf16 scales or float32 (scale,
     -zero * scale) pairs):
-    - gemv (default: where the native int4 products take bf16 x as int16, AVX2's): every
-      call on the native GEMV (cpu_linear.c, the bias added in float32 before its one
-      rounding), and no repacked copy. On the 2-core EPYC, g32, ms, torch's int4 GEMM against
-      it: [1536, 1024] 1 row 0.167 / 0.120, 7 rows 0.58 / 0.51, 64 rows 4.4 / 2.8, 512 rows
-      30 / 20; [32768, 1024] 1 row 2.4 / 1.1. (With AVX512-BF16 the GEMM was the faster at
-      one row: [1536, 1024] 0.048 ms against 0.075.)
+    - gemv (default: where the native int4 products take bf16 x as int16, AVX2's and
+      AVX512-VNNI's): every call but amx's on the native GEMV (cpu_linear.c, the bias added
+      in float32 before its one rounding), and no repacked copy. On the 2-core EPYC, g32,
+      ms, torch's int4 GEMM against it: [1536, 1024] 1 row 0.167 / 0.120, 7 rows 0.58 /
+      0.51, 64 rows 4.4 / 2.8, 512 rows 30 / 20; [32768, 1024] 1 row 2.4 / 1.1. On the
+      2-core Sapphire Rapids (VNNI): [1536, 1024] 1 row 0.053 / 0.043, 4 rows 0.093 / 0.118;
+      [32768, 1024] 1 row 0.96 / 0.68, 4 rows 1.8 / 2.2; [4096, 2048] 1 row 0.26 / 0.18:
+      faster at one row, 0.8x at 4 to 15 (the byte products are per token).
     - otherwise torch's int4 GEMM on a repacked copy (Int4Packed, as many bytes again; the
-      bias added in x's dtype, as QuantLinear adds it), and with amx (default: whether this
-      CPU has AMX-BF16) calls of PREFILL_ROWS rows and more (a prefill chunk) decode the
-      nibbles to bf16 (ft_int4_decode: the reference's values, rounded once) for AMX's bf16
-      product: at 512 rows of [1536, 1024] g32, 1.0 ms against the int4 GEMM's 9.6.
+      bias added in x's dtype, as QuantLinear adds it).
+    - either way, with amx (default: whether this CPU has AMX-BF16), calls of PREFILL_ROWS
+      rows and more (a prefill chunk) decode the nibbles to bf16 (ft_int4_decode: the
+      reference's values, rounded once) for AMX's bf16 product: at 512 rows of [1536, 1024]
+      g32, 1.0 ms against the int4 GEMM's 9.6.
     The rows' own bytes (a fused copy, the pairs) count in nbytes where a product reads them."""
 
     def __init__(self, fmt: QuantFormat, w: dict, bias: torch.Tensor | None = None,
@@ -122,7 +125,7 @@ class Int4Linear:
                 bias32 = None if bias is None else self.bias.float().contiguous()
                 self.gemv = kernel.bind_linear(q, bias32, gs, self.rows.block)
         self.packed = Int4Packed(fmt, w) if self.gemv is None else None
-        self.prefill = self.packed is not None and self.rows is not None and amx
+        self.prefill = self.rows is not None and amx
         # its own bytes: a fused copy whole, else the pairs made for it (a symmetric
         # weight's bf16 scales are the checkpoint's)
         rows = self.rows
@@ -132,10 +135,10 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.gemv is not None:
-            return self.gemv(rows).reshape(*x.shape[:-1], self.out_features)
         if self.prefill and rows.shape[0] >= PREFILL_ROWS and rows.dtype == torch.bfloat16:
             y = F.linear(rows, self.decoded())
+        elif self.gemv is not None:
+            return self.gemv(rows).reshape(*x.shape[:-1], self.out_features)
         else:
             y = self.packed.linear(rows)
         y = y if self.bias is None else y + self.bias
