@@ -303,8 +303,9 @@ def test_native_int4_moe_with_bf16_activations_takes_the_prepared_products(group
 @pytest.mark.parametrize("group", [32, 256])
 def test_native_int4_linear_takes_groups_longer_than_a_block(group, threads):
     # Groups of 256 span two of i4v's 128-weight blocks (each block takes back its lanes'
-    # share of the offset) and eight of i4w's 32-weight ones; nibbles, scales and zero points drawn directly, against float64 on
-    # W = (q - z) s; one to five tokens, the same bits on 1 and 2 threads.
+    # share of the offset) and eight of i4w's 32-weight ones; nibbles, scales and zero
+    # points drawn directly, against float64 on W = (q - z) s; one to five tokens, the same
+    # bits on 1 and 2 threads.
     g = torch.Generator().manual_seed(group)
     n, k = 48, 512
     q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)

@@ -713,9 +713,9 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
 }
 
 /* INT4 rows against int16 activations through AVX2's pair products (vpmaddwd), where the
- * CPU has AVX2 and no AVX-512, and groups are whole blocks of I4W_BLOCK. load_int4's widening (an
- * extend, two shifts or masks, two converts, two FMAs to form W and two to meet x: ~9 ops a
- * 16 weights) bound the 2-core EPYC's INT4 decode at ~40% of DRAM speed. Here each group's
+ * CPU has AVX2 and no AVX-512, and groups are whole blocks of I4W_BLOCK. load_int4's
+ * widening (an extend, two shifts or masks, two converts, two FMAs to form W and two to meet
+ * x: ~9 ops a 16 weights) bound the 2-core EPYC's INT4 decode at ~40% of DRAM speed. Here each group's
  * x is rounded to int16 once per token (i4w_prepare: sx = max |x| / 32767 of the group,
  * xq = round(x / sx)), and a block of 32 weights is one zero-extend of its 16 bytes to 16
  * words (byte i: element 2i in the low nibble, 2i + 1 the high), a mask and a shift, and per
@@ -967,8 +967,8 @@ static inline void i4v_prepare(const float *x, int64_t k, int gshift, int fmt, u
     }
 }
 
-/* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm the
- * values x2 meets (FT_INT4: the (s, m) pairs; FT_INT4S: the s), s each lane's group's s. */
+/* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm their
+ * floats (FT_INT4: the (s, m) pairs; FT_INT4S: the s widened), s each lane's group's s. */
 static inline __attribute__((always_inline)) void
 i4v_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *sm, __m512 *s) {
     const int g = 1 << gshift, stride = fmt == FT_INT4 ? 2 : 1;     /* floats a group in sm */
@@ -1019,7 +1019,8 @@ i4v_tile(const void *const *w, const void *const *gs, const int gshift, const ui
                 sx[t] = _mm512_set1_ps(p2[0]);
                 c[t] = _mm512_set1_ps(p2[1]);
             } else {
-                const __m512 pair = _mm512_maskz_loadu_ps((__mmask16)((1u << (2 * groups)) - 1), p2);
+                const __mmask16 floats = (__mmask16)((1u << (2 * groups)) - 1);
+                const __m512 pair = _mm512_maskz_loadu_ps(floats, p2);
                 sx[t] = _mm512_permutexvar_ps(lane, pair);
                 c[t] = _mm512_maskz_permutexvar_ps(lanes, lane_c, pair);
             }
