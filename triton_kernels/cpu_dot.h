@@ -715,11 +715,11 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
 /* INT4 rows against int16 activations through AVX2's pair products (vpmaddwd), where the
  * CPU has AVX2 and no AVX-512, and groups are whole blocks of I4W_BLOCK. load_int4's
  * widening (an extend, two shifts or masks, two converts, two FMAs to form W and two to meet
- * x: ~9 ops a 16 weights) bound the 2-core EPYC's INT4 decode at ~40% of DRAM speed. Here each group's
- * x is rounded to int16 once per token (i4w_prepare: sx = max |x| / 32767 of the group,
- * xq = round(x / sx)), and a block of 32 weights is one zero-extend of its 16 bytes to 16
- * words (byte i: element 2i in the low nibble, 2i + 1 the high), a mask and a shift, and per
- * token two vpmaddwd and two adds, summed exactly in int32 over the group (a lane sums G / 8
+ * x: ~9 ops a 16 weights) bound the 2-core EPYC's INT4 decode at ~40% of DRAM speed. Here
+ * each group's x is rounded to int16 once per token (i4x_prepare: sx = max |x| / 32767 of
+ * the group, xq = round(x / sx)), and a block of 32 weights is one zero-extend of its 16
+ * bytes to 16 words (byte i: element 2i in the low nibble, 2i + 1 the high), a mask and a
+ * shift, and per token two vpmaddwd and two adds, summed exactly in int32 over the group (a lane sums G / 8
  * products of at most 15 * 32767: < 2^31 for groups G up to 2^15, i4x_takes' limit); then
  * per group, with W = q s + m and X = sx sum xq the group's sum of the rounded x,
  *     sum_j W_j x_j = s (sx sum_j q_j xq_j) + m X
@@ -785,36 +785,6 @@ static inline void i16_block(const float *x, float inv, int32_t *q) {
 #endif
 
 #if FT_I4W
-/* One row of x (float32, k elements) -> xq [k] int16, per block of 32 the even elements, then
- * the odd ones (they meet the low nibbles' words, then the high ones'), and x2 [2 * k / G]
- * per group (sx, c): xq's unit and the offset's lanes, from X = sx sum xq (exact in int32):
- * -X for FT_INT4S's m = -8 s, else X / 8. A group whose largest |x| is below float32's
- * reach of 32767 / |x| (~1e-34) rounds to zeros. A nan or inf in x gives a nan c, so the
- * row's sums are nan. */
-static inline void i4w_prepare(const float *x, int64_t k, int gshift, int fmt, int16_t *xq,
-                               float *x2) {
-    const int64_t g = (int64_t)1 << gshift;
-    for (int64_t g0 = 0; g0 < k; g0 += g) {
-        float amax;
-        int finite;
-        const float inv = i16_unit(x + g0, g, &amax, &finite);
-        int32_t qsum = 0;
-        for (int64_t b = g0; b < g0 + g; b += I4W_BLOCK) {
-            int32_t q[I4W_BLOCK];
-            i16_block(x + b, inv, q);
-            for (int i = 0; i < I4W_BLOCK / 2; i++) {
-                xq[b + i] = (int16_t)q[2 * i];
-                xq[b + I4W_BLOCK / 2 + i] = (int16_t)q[2 * i + 1];
-                qsum += q[2 * i] + q[2 * i + 1];
-            }
-        }
-        const float sx = amax / I4W_ONE, xs = sx * (float)qsum;
-        const float c = fmt == FT_INT4S ? -xs : xs / 8.f;        /* summed over 8 lanes */
-        x2[2 * (g0 >> gshift)] = sx;
-        x2[2 * (g0 >> gshift) + 1] = finite ? c : NAN;
-    }
-}
-
 /* Group gi (columns j0 .. j0 + 2^gshift) of NR int4 rows against NT tokens in i4w's form,
  * added into acc (and, SPLIT, FT_INT4's m X into cor: its own chain). */
 static inline __attribute__((always_inline)) void
@@ -929,44 +899,12 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
  * (|H| <= 8 * 15 * 128), and u = 256 H + L = sum q xq, as i4w's int32 sums. Per block, in
  * lanes: s (sx u + c), and FT_INT4's m c apart, with each lane's group's s (and m), sx and c
  * (a group's G / 8 lanes over its blocks carry c = -8 X / (G / 8) for FT_INT4S, X / (G / 8)
- * for FT_INT4: summed, its m X). x in bytes (i4v_prepare), per block of n elements (128, or
+ * for FT_INT4: summed, its m X). x in bytes (i4x_prepare), per block of n elements (128, or
  * a row's last 32, 64 or 96): l of the evens, l of the odds, h of the evens, h of the odds,
  * n / 2 bytes each. */
 #define I4V_BLOCK 128
 
 #if FT_I4V
-/* One row of x (float32, k elements, a multiple of 32) -> xb [2k] bytes in i4v's order, x2
- * [2 * k / G] (sx, c) a group: i4w's rounding, i4v's c. */
-static inline void i4v_prepare(const float *x, int64_t k, int gshift, int fmt, uint8_t *xb,
-                               float *x2) {
-    const int64_t g = (int64_t)1 << gshift;
-    for (int64_t g0 = 0; g0 < k; g0 += g) {
-        float amax;
-        int finite;
-        const float inv = i16_unit(x + g0, g, &amax, &finite);
-        int32_t qsum = 0;
-        for (int64_t b = g0; b < g0 + g; b += I4W_BLOCK) {
-            const int64_t j = b - b % I4V_BLOCK, in = b - j;                /* its block */
-            const int64_t half = (k - j < I4V_BLOCK ? k - j : I4V_BLOCK) / 2;
-            uint8_t *o = xb + 2 * j + in / 2;
-            int32_t q[I4W_BLOCK];
-            i16_block(x + b, inv, q);
-            for (int i = 0; i < I4W_BLOCK / 2; i++) {
-                const int32_t e = q[2 * i], d = q[2 * i + 1];
-                o[i] = (uint8_t)(e & 255);
-                o[half + i] = (uint8_t)(d & 255);
-                o[2 * half + i] = (uint8_t)(int8_t)(e >> 8);
-                o[3 * half + i] = (uint8_t)(int8_t)(d >> 8);
-                qsum += e + d;
-            }
-        }
-        const float sx = amax / I4W_ONE, xs = sx * (float)qsum, lanes = (float)(g / 8);
-        const float c = fmt == FT_INT4S ? -8.f * xs / lanes : xs / lanes;
-        x2[2 * (g0 >> gshift)] = sx;
-        x2[2 * (g0 >> gshift) + 1] = finite ? c : NAN;
-    }
-}
-
 /* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm their
  * floats (FT_INT4: the (s, m) pairs; FT_INT4S: the s widened), s each lane's group's s. */
 static inline __attribute__((always_inline)) void
@@ -1074,14 +1012,51 @@ static inline int i4x_takes(int64_t k, int gshift, int xfmt) {
            && k % I4W_BLOCK == 0;
 }
 
-/* One row of x (float32) in the prepared form: xb [k] 16-bit words' room, x2 [2 * k / G]
- * floats. */
+/* One row of x (float32, k elements, a multiple of 32) in the prepared form: xb (k 16-bit
+ * words' room) and x2 [2 * k / G], per group (sx, c): xq's unit and the offset's lanes, from
+ * X = sx sum xq (exact in int32), c = -8 X / lanes for FT_INT4S's m = -8 s, else X / lanes,
+ * where a group's sums sit in `lanes` vector lanes (i4w: its 8; i4v: G / 8 over its
+ * blocks). xq in the form's order: i4w's words, per block of 32 the even elements, then the
+ * odd ones (they meet the low nibbles' words, then the high ones'); i4v's bytes (above). A
+ * group whose largest |x| is below float32's reach of 32767 / |x| (~1e-34) rounds to zeros.
+ * A nan or inf in x gives a nan c, so the row's sums are nan. */
 static inline void i4x_prepare(const float *x, int64_t k, int gshift, int fmt, uint16_t *xb,
                                float *x2) {
+#if FT_I4V || FT_I4W
+    const int64_t g = (int64_t)1 << gshift;
+    const float lanes = FT_I4V ? (float)(g / 8) : 8.f;
+    for (int64_t g0 = 0; g0 < k; g0 += g) {
+        float amax;
+        int finite;
+        const float inv = i16_unit(x + g0, g, &amax, &finite);
+        int32_t qsum = 0;
+        for (int64_t b = g0; b < g0 + g; b += I4W_BLOCK) {
+            int32_t q[I4W_BLOCK];
+            i16_block(x + b, inv, q);
 #if FT_I4V
-    i4v_prepare(x, k, gshift, fmt, (uint8_t *)xb, x2);
-#elif FT_I4W
-    i4w_prepare(x, k, gshift, fmt, (int16_t *)xb, x2);
+            const int64_t j = b - b % I4V_BLOCK, in = b - j;                /* its block */
+            const int64_t half = (k - j < I4V_BLOCK ? k - j : I4V_BLOCK) / 2;
+            uint8_t *o = (uint8_t *)xb + 2 * j + in / 2;
+#endif
+            for (int i = 0; i < I4W_BLOCK / 2; i++) {
+                const int32_t e = q[2 * i], d = q[2 * i + 1];
+#if FT_I4V
+                o[i] = (uint8_t)(e & 255);
+                o[half + i] = (uint8_t)(d & 255);
+                o[2 * half + i] = (uint8_t)(int8_t)(e >> 8);
+                o[3 * half + i] = (uint8_t)(int8_t)(d >> 8);
+#else
+                ((int16_t *)xb)[b + i] = (int16_t)e;
+                ((int16_t *)xb)[b + I4W_BLOCK / 2 + i] = (int16_t)d;
+#endif
+                qsum += e + d;
+            }
+        }
+        const float sx = amax / I4W_ONE, xs = sx * (float)qsum;
+        const float c = fmt == FT_INT4S ? -8.f * xs / lanes : xs / lanes;
+        x2[2 * (g0 >> gshift)] = sx;
+        x2[2 * (g0 >> gshift) + 1] = finite ? c : NAN;
+    }
 #else
     (void)x, (void)k, (void)gshift, (void)fmt, (void)xb, (void)x2;
 #endif
@@ -1092,46 +1067,34 @@ static inline void i4x_prepare(const float *x, int64_t k, int gshift, int fmt, u
 static inline void i4x_dots(const void *const *w, const void *const *gs, int gshift,
                             const uint16_t *const *xb, const float *const *x2, int64_t k, int nr,
                             int nt, int fmt, float *res) {
+#if FT_I4V || FT_I4W
+    /* The common group sizes at compile time (i4w: a group's blocks unrolled, no loop). One
+     * token: 4 rows at a time (x read once for them, one call and one loop for 4 rows, i4w:
+     * a g32 row in L2, best of 6 runs, K 256 15.0 -> 21.8 G weights/s a core, K 1024 20.9 ->
+     * 27.6); more tokens: one row at a time (the products are the cost wherever tokens share
+     * a row's nibbles, and 4 rows' int32 and float32 sums outgrow the registers: i4w's 2
+     * tokens on 4 rows ran 0.76x at K 1024). */
 #if FT_I4V
-    /* One token: 4 rows a call (x's bytes read once for them); more: a row at a time (each
-     * token's 4 vectors of x and its sums, against 4 rows, outgrow the registers). */
+#define I4X_TILE i4v_tile
+    typedef uint8_t word;                   /* x's prepared form: i4v's bytes, i4w's words */
+#else
+#define I4X_TILE i4w_tile
+    typedef int16_t word;
+#endif
 #define TILE(R, T, F)                                                                       \
     if (T == 1 && R == MAXR) do {                                                           \
-        const uint8_t *const *xq = (const uint8_t *const *)xb;                              \
-        if (gshift == 5) i4v_tile(w, gs, 5, xq, x2, k, R, 1, F, res);                      \
-        else if (gshift == 7) i4v_tile(w, gs, 7, xq, x2, k, R, 1, F, res);                 \
-        else i4v_tile(w, gs, gshift, xq, x2, k, R, 1, F, res);                              \
+        const word *const *xq = (const word *const *)xb;                                    \
+        if (gshift == 5) I4X_TILE(w, gs, 5, xq, x2, k, R, 1, F, res);                      \
+        else if (gshift == 7) I4X_TILE(w, gs, 7, xq, x2, k, R, 1, F, res);                 \
+        else I4X_TILE(w, gs, gshift, xq, x2, k, R, 1, F, res);                              \
     } while (0); else                                                                       \
     for (int r = 0; r < R; r++) do {                                                        \
-        const uint8_t *const *xq = (const uint8_t *const *)xb;                              \
+        const word *const *xq = (const word *const *)xb;                                    \
         const void *const *wr = w + r, *const *gr = gs + r;                                 \
         float *out = res + r * MAXT;                                                        \
-        if (gshift == 5) i4v_tile(wr, gr, 5, xq, x2, k, 1, T, F, out);                     \
-        else if (gshift == 7) i4v_tile(wr, gr, 7, xq, x2, k, 1, T, F, out);                \
-        else i4v_tile(wr, gr, gshift, xq, x2, k, 1, T, F, out);                             \
-    } while (0)
-#elif FT_I4W
-    /* The common group sizes at compile time (a group's blocks unrolled, no loop). One
-     * token: 4 rows at a time (x's words read once for them, one call and one loop for 4
-     * rows: a g32 row in L2, best of 6 runs, K 256 15.0 -> 21.8 G weights/s a core, K 1024
-     * 20.9 -> 27.6); more tokens: one row at a time (the products, two vpmaddwd and two
-     * adds a token, are the cost wherever tokens share a row's nibbles, and 4 rows' int32
-     * and float32 sums outgrow AVX2's 16 registers: 2 tokens on 4 rows ran 0.76x at K
-     * 1024). */
-#define TILE(R, T, F)                                                                       \
-    if (T == 1 && R == MAXR) do {                                                           \
-        const int16_t *const *xq = (const int16_t *const *)xb;                              \
-        if (gshift == 5) i4w_tile(w, gs, 5, xq, x2, k, R, 1, F, res);                      \
-        else if (gshift == 7) i4w_tile(w, gs, 7, xq, x2, k, R, 1, F, res);                 \
-        else i4w_tile(w, gs, gshift, xq, x2, k, R, 1, F, res);                              \
-    } while (0); else                                                                       \
-    for (int r = 0; r < R; r++) do {                                                        \
-        const int16_t *const *xq = (const int16_t *const *)xb;                              \
-        const void *const *wr = w + r, *const *gr = gs + r;                                 \
-        float *out = res + r * MAXT;                                                        \
-        if (gshift == 5) i4w_tile(wr, gr, 5, xq, x2, k, 1, T, F, out);                     \
-        else if (gshift == 7) i4w_tile(wr, gr, 7, xq, x2, k, 1, T, F, out);                \
-        else i4w_tile(wr, gr, gshift, xq, x2, k, 1, T, F, out);                             \
+        if (gshift == 5) I4X_TILE(wr, gr, 5, xq, x2, k, 1, T, F, out);                     \
+        else if (gshift == 7) I4X_TILE(wr, gr, 7, xq, x2, k, 1, T, F, out);                \
+        else I4X_TILE(wr, gr, gshift, xq, x2, k, 1, T, F, out);                             \
     } while (0)
 #endif
 #if FT_I4V || FT_I4W
@@ -1145,6 +1108,7 @@ static inline void i4x_dots(const void *const *w, const void *const *gs, int gsh
     CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4)
 #undef CASE
 #undef TILE
+#undef I4X_TILE
 #else
     (void)w, (void)gs, (void)gshift, (void)xb, (void)x2, (void)k, (void)nr, (void)nt, (void)fmt,
         (void)res;
