@@ -721,7 +721,8 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
  * bytes to 16 words (byte i: element 2i in the low nibble, 2i + 1 the high), a mask and a
  * shift, and per token two vpmaddwd and two adds, summed exactly in int32 over the group
  * (a lane sums G / 8 products of at most 15 * 32767: < 2^31 for groups G up to 2^15,
- * i4x_takes' limit); then per group, with W = q s + m and X = sx sum xq the group's sum of the rounded x,
+ * i4x_takes' limit); then per group, with W = q s + m and X = sx sum xq the group's sum of
+ * the rounded x,
  *     sum_j W_j x_j = s (sx sum_j q_j xq_j) + m X
  * in vector lanes: s (sx u + c) with c = -X in each of the 8 lanes where m = -8 s
  * (FT_INT4S), else s (sx u) + m (X / 8) (u: the int32 lanes converted): two or three FMAs a
