@@ -907,7 +907,7 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
 
 #if FT_I4V
 /* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm their
- * floats (FT_INT4: the (s, m) pairs; FT_INT4S: the s widened), s each lane's group's s. */
+ * floats (FT_INT4: the (s, m) pairs; FT_INT4S: s again), s each lane's group's s. */
 static inline __attribute__((always_inline)) void
 i4v_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *sm, __m512 *s) {
     const int g = 1 << gshift, stride = fmt == FT_INT4 ? 2 : 1;     /* floats a group in sm */
@@ -917,12 +917,13 @@ i4v_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *
     const __mmask16 mask = (__mmask16)((1u << (stride * groups)) - 1);
     if (fmt == FT_INT4) {
         *sm = _mm512_maskz_loadu_ps(mask, (const float *)gs + 2 * g0);
+        *s = _mm512_permutexvar_ps(_mm512_add_epi32(lane, lane), *sm);
     } else {
+        /* each lane's bf16 moved into its high half, the low half cleared: one permute */
         __m128i h = _mm_maskz_loadu_epi16((__mmask8)mask, (const uint16_t *)gs + g0);
-        __m512i wide = _mm512_cvtepu16_epi32(_mm256_zextsi128_si256(h));
-        *sm = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));       /* bf16 -> float32 */
+        *sm = *s = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+            (__mmask32)0xaaaaaaaau, _mm512_slli_epi32(lane, 16), _mm512_zextsi128_si512(h)));
     }
-    *s = _mm512_permutexvar_ps(stride == 2 ? _mm512_add_epi32(lane, lane) : lane, *sm);
 }
 
 
