@@ -890,8 +890,8 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
 /* INT4 rows against int16 activations through AVX512-VNNI's byte products (vpdpbusd), where
  * the CPU has them: i4w's rounding of x (the same xq, sx and sums W . (sx xq)), a block of 128
  * weights a vector. AVX512-BF16's pair products on x as bf16 (each nibble unpacked beside 0x43
- * as the word 128 + q: four unpacks and four vdpbf16ps a 128) ran a 1024-long g32 row in L2
- * at 22.6 G weights/s a core on the 2-core Sapphire Rapids, this form at 40.6.
+ * as the word 128 + q: four unpacks and four vdpbf16ps a 128) ran 1024-long g32 rows in L2
+ * at 22.6 G weights/s a core on the 2-core Sapphire Rapids, this form at 38 (4-row tiles).
  * Each xq splits into a signed high byte and an unsigned low one, xq = 256 h + l, and a
  * block's 64 bytes of nibbles are its even elements (the low nibbles, masked) and its odd
  * ones (shifted, masked): vpdpbusd takes an unsigned operand and a signed one, so
