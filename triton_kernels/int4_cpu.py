@@ -89,7 +89,7 @@ class Int4Linear:
       0.51, 64 rows 4.4 / 2.8, 512 rows 30 / 20; [32768, 1024] 1 row 2.4 / 1.1. On the
       2-core Sapphire Rapids (VNNI): [1536, 1024] 1 row 0.053 / 0.043, 4 rows 0.093 / 0.118;
       [32768, 1024] 1 row 0.96 / 0.68, 4 rows 1.8 / 2.2; [4096, 2048] 1 row 0.26 / 0.18:
-      faster at one row, 0.8x at 4 to 15 (the byte products are per token).
+      faster at one row, 0.8x at 4 (the byte products are per token).
     - otherwise torch's int4 GEMM on a repacked copy (Int4Packed, as many bytes again; the
       bias added in x's dtype, as QuantLinear adds it).
     - either way, with amx (default: whether this CPU has AMX-BF16), calls of PREFILL_ROWS
