@@ -906,26 +906,33 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
 #define I4V_BLOCK 128
 
 #if FT_I4V
-/* A block's group scales of an int4 row in fmt (`groups` of them, from group g0): sm their
- * floats (FT_INT4: the (s, m) pairs; FT_INT4S: s again), s each lane's group's s. */
-static inline __attribute__((always_inline)) void
-i4v_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *sm, __m512 *s) {
-    const int g = 1 << gshift, stride = fmt == FT_INT4 ? 2 : 1;     /* floats a group in sm */
-    const __m512i lane = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-                       : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
-                                 : _mm512_setzero_si512();
-    const __mmask16 mask = (__mmask16)((1u << (stride * groups)) - 1);
-    if (fmt == FT_INT4) {
-        *sm = _mm512_maskz_loadu_ps(mask, (const float *)gs + 2 * g0);
-        *s = _mm512_permutexvar_ps(_mm512_add_epi32(lane, lane), *sm);
-    } else {
-        /* each lane's bf16 moved into its high half, the low half cleared: one permute */
-        __m128i h = _mm_maskz_loadu_epi16((__mmask8)mask, (const uint16_t *)gs + g0);
-        *sm = *s = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
-            (__mmask32)0xaaaaaaaau, _mm512_slli_epi32(lane, 16), _mm512_zextsi128_si512(h)));
-    }
+/* Each lane's group within a block of 128 (lane j holds elements 8j .. 8j + 7). */
+static inline __m512i i4v_lane_groups(int g) {
+    return g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+         : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                   : _mm512_setzero_si512();
 }
 
+/* A block's group scales of an int4 row in fmt (`groups` of them, from group g0) in each
+ * lane: s its group's s, and for FT_INT4 m its m. */
+static inline __attribute__((always_inline)) void
+i4v_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *s, __m512 *m) {
+    const __m512i lane = i4v_lane_groups(1 << gshift);
+    if (fmt == FT_INT4) {               /* (s, m) float pairs */
+        const __m512 sm = _mm512_maskz_loadu_ps((__mmask16)((1u << (2 * groups)) - 1),
+                                                (const float *)gs + 2 * g0);
+        const __m512i pair = _mm512_add_epi32(lane, lane);
+        *s = _mm512_permutexvar_ps(pair, sm);
+        *m = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(1)), sm);
+    } else {
+        /* each lane's bf16 moved into its high half, the low half cleared: one permute */
+        __m128i h = _mm_maskz_loadu_epi16((__mmask8)((1u << groups) - 1),
+                                          (const uint16_t *)gs + g0);
+        *s = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(
+            (__mmask32)0xaaaaaaaau, _mm512_slli_epi32(lane, 16), _mm512_zextsi128_si512(h)));
+        *m = _mm512_setzero_ps();
+    }
+}
 
 /* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows in FMT (gs[r]: their scales) and NT
  * tokens in i4v's form (xb[t], x2[t]), k a multiple of 32, groups of 2^gshift >= 32. */
@@ -935,10 +942,8 @@ i4v_tile(const void *const *w, const void *const *gs, const int gshift, const ui
          float *res) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int g = 1 << gshift;
-    /* a lane's group within a block (its sx, c: the pair's floats 2 lane and 2 lane + 1) */
-    const __m512i lane = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6)
-                       : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
-                                 : _mm512_setzero_si512();
+    /* each lane's (sx, c) in x2's pairs: floats 2 group and 2 group + 1 */
+    const __m512i lane = _mm512_add_epi32(i4v_lane_groups(g), i4v_lane_groups(g));
     const __m512i lane_c = _mm512_add_epi32(lane, _mm512_set1_epi32(1));
     __m512 acc[MAXR][MAXT], cor[MAXR][MAXT];
     #pragma GCC unroll 4
@@ -972,11 +977,8 @@ i4v_tile(const void *const *w, const void *const *gs, const int gshift, const ui
             const __m512i v = _mm512_maskz_loadu_epi8(bytes, p);
             const __m512i lo = _mm512_and_si512(v, low);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            __m512 sm, s;
-            i4v_scales(gs[r], j >> gshift, groups, gshift, FMT, &sm, &s);
-            /* (FT_INT4's m: the odd floats of sm's pairs, as c's of x2's) */
-            const __m512 m = FMT == FT_INT4 ? _mm512_permutexvar_ps(lane_c, sm)
-                                            : _mm512_setzero_ps();
+            __m512 s, m;
+            i4v_scales(gs[r], j >> gshift, groups, gshift, FMT, &s, &m);
             #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 const uint8_t *xp = xb[t] + 2 * j;
