@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import triton_kernels as tk
-from tiny_fixtures import amx_kernel_runs, biased_experts, fp8_bank, int16_x_bound
+from tiny_fixtures import amx_kernel_runs, biased_experts, fp8_bank, fp8_rel, int16_x_bound
 from triton_kernels import cpu_native
 from triton_kernels.fused_moe import SILU, SWIGLU_OAI, fused_moe_reference
 
@@ -158,7 +158,7 @@ def test_native_fp8_moe_matches_the_decoded_reference(d, i, bn, bk, activation, 
     # tokens, whose rows AVX2 decodes once to bf16 words where K is whole 32-byte blocks,
     # f8l_decodes; 100: experts of 16 and more, the GEMM form, each row decoded with its
     # blocks' scales); against the float32 reference on the exactly decoded weights,
-    # subnormal e4m3 codes included.
+    # subnormal e4m3 codes included (fp8_rel: x rounded to float16 where this build does).
     threads(2)
     kernel = tk.native_kernels()
     for t in (1, 3, 9, 40, 100):
@@ -173,7 +173,7 @@ def test_native_fp8_moe_matches_the_decoded_reference(d, i, bn, bk, activation, 
         want = fused_moe_reference(c["x"].float(), deq13, deq2, c["weights"], c["ids"],
                                    c["slot_map"], b13=c["b13"].float(), b2=c["b2"].float(),
                                    activation=activation)
-        assert rel(got, want) < 1e-5, (t, rel(got, want))
+        assert rel(got, want) < fp8_rel(kernel), (t, rel(got, want))
 
 
 def test_native_fp8_banks_through_fused_moe(threads):

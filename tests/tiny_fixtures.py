@@ -81,6 +81,29 @@ def fp8_bank(w, bn, bk):
     return q, s.contiguous(), deq
 
 
+def float16_x_bound(kernel, x, deq_abs, s_max):
+    """The most an fp8 product's sums move where this build meets e4m3 bytes with float16
+    activations (kernel.e4m3_decode "float16 products", cpu_dot.h's FT_F8H), against the
+    decoded weights' magnitudes deq_abs [N, K] (block scales at most s_max) -> [T, N] in
+    float64: x rounded once to float16, then at most 16 product-adds and 3 chain sums a lane
+    in float16, each within 2^-11 of its running sum (20 roundings of a term), and a float16
+    subnormal's rounding, 2^-25 of sigma, at most 2^-27 max |x| s_max a term; zero where
+    the bytes meet float32 x."""
+    if kernel.e4m3_decode != "float16 products":
+        return torch.zeros(x.shape[0], deq_abs.shape[0], dtype=torch.float64)
+    k = x.shape[1]
+    tiny = k * 2.0 ** -27 * x.double().abs().amax(1, keepdim=True) * s_max
+    return (x.double().abs() @ deq_abs.double().T) * 20 * 2.0 ** -11 + tiny
+
+
+def fp8_rel(kernel):
+    """The relative error (norm of the difference over the reference's) an fp8 MoE's
+    outputs keep to the float32 reference on the decoded weights: float32's sums' 1e-5, or
+    2e-3 where x is rounded to float16 and summed there (FT_F8H; 2^-12 a rounding: its
+    tests measure 2e-4 to 5e-4). A weight element missed or met twice moves K^-1/2 of it."""
+    return 2e-3 if kernel.e4m3_decode == "float16 products" else 1e-5
+
+
 def int16_x_bound(kernel, x, w_abs, group):
     """The most an int4 product's sums move where this build rounds 16-bit activations to
     int16 per group (kernel.int4_activations "int16", cpu_dot.h's i4w): |x - xq sx| <= max |x|

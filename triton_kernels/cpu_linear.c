@@ -48,10 +48,14 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
 
 #pragma omp parallel num_threads(threads)
     {
-        /* fp8: this thread's x scaled by a row block's column scales (fp8_rows). */
-        const int scaled_x = wfmt == FT_E4M3 && bk;
+        /* fp8: this thread's x scaled by a row block's column scales, and on FT_F8H that
+         * in float16 (fp8_rows) */
+        const int scaled_x = wfmt == FT_E4M3 && bk, f8h = FT_F8H && wfmt == FT_E4M3;
         float *xsc = scaled_x ? malloc(MAXT * k * sizeof *xsc) : NULL;
-        if (scaled_x && !xsc)
+        _Float16 *xh = f8h ? malloc(MAXT * k * sizeof *xh) : NULL;
+        float xinv[MAXT];
+        const int idle = (scaled_x && !xsc) || (f8h && !xh);
+        if (idle)
             __atomic_fetch_add(&failed, 1, __ATOMIC_RELAXED);
 #pragma omp single nowait
         team = omp_get_num_threads();
@@ -59,8 +63,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
         /* item = `rows` weight rows, for every token, MAXR of them at a time */
         for (;;) {
             /* a thread without its scratch takes no items (the others take them all) */
-            int64_t item = (scaled_x && !xsc) ? items
-                                              : __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            int64_t item = idle ? items : __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
             if (item >= items)
                 break;
             int64_t r0 = item * rows, r1 = r0 + rows < n ? r0 + rows : n;
@@ -80,7 +83,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                 for (int64_t r = r0; r < r1;) {
                     int nr = tile_at(r, r1, MAXR);
                     if (wfmt == FT_E4M3)
-                        nr = fp8_rows(r, nr, bn, bk, &block, xs, xv, nt, xsc, k, scales, cb);
+                        nr = fp8_rows(r, nr, bn, bk, &block, xs, xv, nt, xsc, xh, xinv, k, scales,
+                                      cb);
                     const void *ws[MAXR];
                     const void *gs[MAXR];
                     for (int q = 0; q < nr; q++) {
@@ -91,6 +95,8 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
                     float res[MAXR * MAXT];
                     if (i4x)
                         i4x_dots(ws, gs, gshift, xsb, xs2, k, nr, nt, wfmt, res);
+                    else if (f8h)
+                        f8h_dots(ws, xh, xinv, k, nr, nt, t0 == 0, res);
                     else
                         dots(ws, gs, gshift, xv, (int)k, nr, nt, wfmt, t0 == 0, res);
                     for (int q = 0; q < nr; q++) {
@@ -105,6 +111,7 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
             }
         }
         free(xsc);
+        free(xh);
     }
     free(wide);
     return failed && failed == team ? -1 : 0;
@@ -115,5 +122,6 @@ int ft_linear(const void *x, int xfmt, int64_t t_count, const void *w, int wfmt,
 int ft_int4_activations(void) { return FT_I4V || FT_I4W ? 2 : 0; }
 
 /* How this build widens e4m3 weights (cpu_dot.h): 0 through float16 (vcvtph2ps, or the
- * compiler's conversion), 1 AVX2's byte tables (FT_F8L), 2 AVX2's shifts (FT_F8L_SHIFT). */
-int ft_e4m3_decode(void) { return FT_F8L_SHIFT ? 2 : FT_F8L ? 1 : 0; }
+ * compiler's conversion), 1 AVX2's byte tables (FT_F8L), 2 AVX2's shifts (FT_F8L_SHIFT), 3
+ * float16 products with float16 activations at decode's few rows (FT_F8H, AVX512-FP16). */
+int ft_e4m3_decode(void) { return FT_F8H ? 3 : FT_F8L_SHIFT ? 2 : FT_F8L ? 1 : 0; }

@@ -331,11 +331,15 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
 
 #pragma omp parallel num_threads(threads)
     {
-        /* fp8: this thread's x and activations scaled by a row block's column scales. */
+        /* fp8: this thread's x and activations scaled by a row block's column scales, and
+         * on FT_F8H those in float16 (fp8_rows) */
         const int scaled_x = fmt == FT_E4M3 && bk;     /* (row scales: on the sums) */
+        const int f8h = FT_F8H && fmt == FT_E4M3;
         float *xsc = scaled_x ? malloc(MAXT * (d > width ? d : width) * sizeof *xsc) : NULL;
-        /* A thread without it takes no items (the others take them all). */
-        const int idle = scaled_x && !xsc;
+        _Float16 *xh = f8h ? malloc(MAXT * (d > width ? d : width) * sizeof *xh) : NULL;
+        float xinv[MAXT];
+        /* A thread without them takes no items (the others take them all). */
+        const int idle = (scaled_x && !xsc) || (f8h && !xh);
         /* fp8 on FT_F8L: an item's rows of an expert with many tokens decoded once to bf16
          * words (dec, taken at the first such item: a call without one allocates nothing),
          * each pass then a bf16 tile on them (f8l_decodes). Without the scratch, every pass
@@ -409,8 +413,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         int64_t row = half * width + i;           /* the expert's w13 row */
                         int nr = tile_at(i, i1, MAXR);
                         if (fmt == FT_E4M3)
-                            nr = fp8_rows(row, nr, bn, bk, &block, xs, xv, nt, xsc, d,
-                                          (const float *)s13 + s * rb13 * cb13, cb13);
+                            nr = fp8_rows(row, nr, bn, bk, &block, xs, xv, nt, xsc, xh, xinv,
+                                          d, (const float *)s13 + s * rb13 * cb13, cb13);
                         const void *w[MAXR];
                         const void *gs[MAXR];
                         for (int r = 0; r < nr; r++) {
@@ -422,6 +426,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                             f8l_rows(w, nr, dec + (half * up_rows + i - i0) * d, d, t0 == 0);
                         if (i4x)
                             i4x_dots(w, gs, gshift, xsb, xs2, d, nr, nt, fmt, res[i - i0]);
+                        else if (f8h)
+                            f8h_dots(w, xh, xinv, d, nr, nt, t0 == 0, res[i - i0]);
                         else if (decoded)
                             dots(w, gs, gshift, xv, (int)d, nr, nt, 0, 0, res[i - i0]);
                         else
@@ -499,8 +505,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     for (int64_t r = r0; r < r1;) {
                         int nr = tile_at(r, r1, MAXR);
                         if (fmt == FT_E4M3)
-                            nr = fp8_rows(r, nr, bn, bk, &block, hs, hv, nt, xsc, width,
-                                          (const float *)s2 + s * rb2 * cb2, cb2);
+                            nr = fp8_rows(r, nr, bn, bk, &block, hs, hv, nt, xsc, xh, xinv,
+                                          width, (const float *)s2 + s * rb2 * cb2, cb2);
                         const void *w[MAXR];
                         const void *gs[MAXR];
                         for (int q = 0; q < nr; q++) {
@@ -513,6 +519,8 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                         float res[MAXR * MAXT];
                         if (i4x)
                             i4x_dots(w, gs, gshift, hsb, hs2, width, nr, nt, fmt, res);
+                        else if (f8h)
+                            f8h_dots(w, xh, xinv, width, nr, nt, t0 == 0, res);
                         else if (decoded)
                             dots(w, gs, gshift, hv, (int)width, nr, nt, 0, 0, res);
                         else
@@ -536,6 +544,7 @@ int ft_moe(const void *x, int xfmt, const int64_t *ids, const int64_t *slot_map,
                     store_as(out, t * d + r, round_to(acc[t * d + r], ofmt), ofmt);
         }
         free(xsc);
+        free(xh);
         free(dec);
     }
     free(act_t), free(t_at);

@@ -125,8 +125,9 @@ class NativeKernels:
         fn.argtypes = []
         fn.restype = c_int
         # how fp8 e4m3 rows widen: "float16" (a conversion), "tables" or "shifts" (AVX2's
-        # two decodes to bf16 words, cpu_dot.h's FT_F8L)
-        self.e4m3_decode = ("float16", "tables", "shifts")[fn()]
+        # two decodes to bf16 words, cpu_dot.h's FT_F8L), or "float16 products" (AVX512-FP16:
+        # decode's rows meet x rounded to float16, cpu_dot.h's FT_F8H)
+        self.e4m3_decode = ("float16", "tables", "shifts", "float16 products")[fn()]
         fn = lib.ft_attn_decode_tiles
         fn.argtypes = [c_int, c_int, i64, i64]
         fn.restype = c_int
