@@ -922,8 +922,9 @@ class NativeFp8Bank:
     """A bank of fp8 experts [E, N, K] (e4m3, block scales [E, ceil(N/bn), ceil(K/bk)] float32,
     or for block (1, 0) channel scales [E, N]) that the native kernel computes from the
     checkpoint's bytes as they are: 1 byte a weight read. Each weight is widened in registers
-    (cpu_dot.h's load_e4m3; on AVX2 load_e4m3_f8l's shifts on AMD, byte tables elsewhere,
-    e4m3_decode) and x is scaled per block (or a row's sums by its scale; on AVX2 rows that
+    (cpu_dot.h's load_e4m3; on AVX2 load_e4m3_f8l's shifts on AMD, byte tables elsewhere; on
+    AVX512-FP16 met by x rounded to float16 in float16 products, FT_F8H: e4m3_decode) and x is
+    scaled per block (or a row's sums by its scale; on AVX2 rows that
     more than 4 tokens meet decoded once a call to bf16 words: a 512-token chunk of the bench
     layer 1.2x -> 1.0x bf16's time), so a batch-1 layer costs ~0.65x a bf16 bank's (2-core
     Xeon, 64 experts, D 1024, I 256, cold: 0.39 ms against 0.59; 2-core EPYC with the tables
