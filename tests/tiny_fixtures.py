@@ -99,8 +99,8 @@ def float16_x_bound(kernel, x, deq_abs, s_max):
 def fp8_rel(kernel):
     """The relative error (norm of the difference over the reference's) an fp8 MoE's
     outputs keep to the float32 reference on the decoded weights: float32's sums' 1e-5, or
-    2e-3 where x is rounded to float16 and summed there (FT_F8H; 2^-12 a rounding: its
-    tests measure 2e-4 to 5e-4). A weight element missed or met twice moves K^-1/2 of it."""
+    2e-3 where x is rounded to float16 and summed there (FT_F8H; at most 2^-11 a rounding:
+    its tests measure 2e-4 to 5e-4). A weight element missed or met twice moves K^-1/2 of it."""
     return 2e-3 if kernel.e4m3_decode == "float16 products" else 1e-5
 
 

@@ -1127,13 +1127,13 @@ static inline void i4x_dots(const void *const *w, const void *const *gs, int gsh
  * a 2-core Sapphire Rapids, rows in L2, G weights/s: rows of 1024 one at a time 18.3 ->
  * 32.5-35.4, in 4-row tiles 19.2 -> 41; rows of 256 16.3 -> 26, 17.1 -> 29.4. The bench
  * FP8 model (bench/cpu.py --quant fp8, two interleaved pairs): batch 1 107-109 -> 120 tok/s,
- * 8 195-198 -> 209, 16 271-287 -> 310-314; its MoE and attention products now read their
- * bytes at ~26 GB/s, DRAM's speed.
+ * 8 195-198 -> 209, 16 271-287 -> 310-314; its MoE and attention products now stream their
+ * bytes at 23-27 GB/s, as bf16's do (a plain read with 4 KB prefetches: 29).
  * x is rounded once per row block (f8h_prepare): x sigma to float16 with sigma a power of
  * two that puts max |x| in [1024, 2048); a lane sums at most 16 products (F8H_SPAN weights
  * of a row) in float16, at most 16 * 1.875 * 2048 = 61440 (float16's largest: 65504; 1.875
  * is e4m3fn's nan code's 480 / 256), before they are widened and summed in float32. So each
- * x is rounded to 11 bits (float16's: 2^-12 relative, 8x finer than bf16 activations;
+ * x is rounded to 11 bits (float16's: 2^-11 relative at most, 8x finer than bf16's;
  * llama.cpp's q8_0 rounds them to max |x| / 254 per 32) and each product-add to 11 bits;
  * the rows' own e4m3 rounding is 2^-4. */
 #if VW == 16 && defined(__AVX512FP16__) && defined(__AVX512BW__)
