@@ -429,13 +429,18 @@ def main(argv=None) -> int:
                                           tokens, args.rounds, args.depth)
                 except subprocess.CalledProcessError as exc:   # one arm lost, not the run
                     print(f"{name}: {exc} {(exc.stderr or '')[-300:]}", file=sys.stderr)
-    report.update(active_bytes_per_arm=actives)
+    from triton_kernels.cpu_native import native_kernels
+    native = native_kernels()
+    forms = native.forms() if native is not None else None
+    report.update(active_bytes_per_arm=actives, native_forms=forms)
     report.update(dram_read_gbps=dram, results=res)
 
     bw = statistics.median(dram)
     print(f"weights {total / 1e9:.2f} GB ({args.dtype}), active per token {active / 1e9:.3f} GB; "
           f"DRAM read {_fmt(dram)} GB/s with {args.threads} threads; {tokens} decode tokens, "
           f"{args.rounds} rounds (median [min-max])")
+    if forms:
+        print(f"FreeToken's native kernels here: {forms}")
     width = max(len(n) for n in res) + 6
     print("tok/s".ljust(width) + "".join(f.ljust(24) for f in figures) + "b1 roofline")
     for name, r in res.items():

@@ -167,6 +167,10 @@ def main(argv=None) -> int:
     print("OpenMP runtimes in this process:", sorted({
         line.split()[-1] for line in open("/proc/self/maps")
         if re.search(r"/lib(gomp|iomp5|omp)\b", line)}) or "none")
+    from triton_kernels.cpu_native import native_kernels
+    native = native_kernels()
+    if native is not None:
+        print(f"native kernels: {native.forms()}")
     print(f"one MoE layer: {e} experts, top-{args.top_k}, D {d}, I {i}, {args.threads} threads, "
           f"{args.layers} layer{'s' if args.layers > 1 else ''} of banks called in turn; ms "
           f"(median of {args.reps}) and x bf16")

@@ -176,6 +176,15 @@ def test_native_fp8_moe_matches_the_decoded_reference(d, i, bn, bk, activation, 
         assert rel(got, want) < fp8_rel(kernel), (t, rel(got, want))
 
 
+def test_native_forms_name_this_builds_products():
+    # What the benches print beside their figures: the forms differ by CPU.
+    kernel = tk.native_kernels()
+    forms = kernel.forms()
+    assert forms.startswith(f"e4m3 {kernel.e4m3_decode}, int4 against "
+                            f"{kernel.int4_activations} x, AMX-BF16 ")
+    assert forms.endswith("yes" if tk.has_amx_bf16() else "no")
+
+
 def test_native_fp8_banks_through_fused_moe(threads):
     c = biased_experts(seed=6, t=7, d=64, i=32)
     kernel = tk.native_kernels()

@@ -189,6 +189,12 @@ class NativeKernels:
         fn.restype = c_int
         self.run = fn           # cpu_program.c: a list of the calls above in one call
 
+    def forms(self) -> str:
+        """How this build's products meet quantized weights, which differs by CPU (a bench's
+        figures name it): e4m3's decode, int4's activations, and whether the CPU has AMX."""
+        return (f"e4m3 {self.e4m3_decode}, int4 against {self.int4_activations} x, AMX-BF16 "
+                f"{'yes' if has_amx_bf16() else 'no'}")
+
     @staticmethod
     def handles(dtype: torch.dtype) -> bool:
         return dtype in _FORMATS
