@@ -105,8 +105,9 @@ def test_native_fp8_linear_is_exact_where_float16_sums_are(n, k, bn, bk, threads
     from triton_kernels.cpu_native import cpu_flags
     assert kernel.e4m3_decode != "float16 products" or " avx512_fp16" in cpu_flags()
     g = torch.Generator().manual_seed(k)
-    codes = (torch.randint(0, 2, (n, k), generator=g) << 7 | torch.randint(7, 9, (n, k), generator=g) << 3
-             | torch.randint(0, 8, (n, k), generator=g))
+    sign, exponent, mantissa = (torch.randint(lo, hi, (n, k), generator=g)
+                                for lo, hi in ((0, 2), (7, 9), (0, 8)))
+    codes = sign << 7 | exponent << 3 | mantissa
     codes[torch.rand(n, k, generator=g) < 0.1] = 0
     q = codes.to(torch.uint8).view(torch.float8_e4m3fn)
     if bk:
