@@ -106,6 +106,36 @@ def test_quantized_program_steps_give_the_modules_bits(quantized, quant):
     assert_same(got, want)
 
 
+def test_a_program_step_dispatches_no_torch_op(tiny_model_dir):  # noqa: F811
+    # The decode program streams the weights, which evicts the host's code: every torch op
+    # between two steps then cost 20-170 us. A step the program takes (chunks into its
+    # buffers, the embedding's gather and the logits' widening natively, a greedy argmax in
+    # numpy) dispatches none; .numpy()'s view is a detach under a dispatch mode, and
+    # nothing else runs.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    llm = LLM(str(tiny_model_dir("qwen3_moe", seed=3, **SHAPE)), skip_tokenizer_init=True,
+              dtype="bfloat16")
+    engine, graph = llm.engine, llm.runner.cpu_graph
+    req = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    engine.step()                                   # the prompt: the modules
+    runs = graph.runs
+    with Record() as record:
+        engine.step()
+    assert graph.runs == runs + 1 and len(req.output_token_ids) == 2
+    assert set(record.ops) <= {"aten.detach.default"}, record.ops
+    # and a token it samples is the modules' (test_program_steps_give_the_modules_bits)
+
+
 def test_models_the_calls_do_not_cover_run_the_modules(tiny_model_dir):  # noqa: F811
     # A float32 model has no 16-bit native calls to record: its engine builds no program,
     # says why, and its modules decode

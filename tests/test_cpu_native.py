@@ -614,6 +614,39 @@ def test_native_biased_topk_is_the_reference(scoring, groups, biased):
         kernel.topk_biased(logits, 6, **{**kw, "n_group": 5})
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_program_gathers_the_embedding_and_widens_the_logits(dtype):
+    # A decode program's first and last ops: the step's token ids are data (rows of the
+    # table gathered natively) and its logits end in float32, each the torch op's values;
+    # an id outside the table fails the run, naming the op, before it writes a row
+    from triton_kernels.cpu_program import CpuProgram
+    kernel = tk.native_kernels()
+    g = torch.Generator().manual_seed(6)
+    table = (torch.randn(50, 24, generator=g) * 300).to(dtype)
+    table[7, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    ids = torch.zeros(5, dtype=torch.int64)
+    rows = torch.zeros(5, 24, dtype=dtype)
+    logits = torch.zeros(5, 24 * 700)        # (rows past 16K values: the threads' parts)
+    wide = (torch.randn(5, 24 * 700, generator=g) * 1e4).to(dtype)
+    prog = CpuProgram(kernel, 5)
+    prog.add(kernel.embed_op(table, ids, rows), "the embedding")
+    prog.add(kernel.widen_op(wide, logits), "the logits' widening")
+    ids[:4] = torch.tensor([7, 0, 49, 7])
+    prog.run(4)
+    assert torch.equal(rows[:4].view(torch.int16), table[ids[:4]].view(torch.int16))
+    assert torch.equal(rows[4], torch.zeros(24, dtype=dtype))           # past the run's rows
+    assert torch.equal(logits[:4], wide[:4].float()) and not logits[4].any()
+    before = rows.clone()
+    ids[1] = 50
+    with pytest.raises(ValueError, match="the embedding: a token id outside the vocabulary"):
+        prog.run(2)
+    assert torch.equal(rows.view(torch.int16), before.view(torch.int16))
+    with pytest.raises(ValueError, match="native embed"):
+        kernel.embed_op(table, ids.int(), rows)
+    with pytest.raises(ValueError, match="native widen"):
+        kernel.widen_op(logits, logits)
+
+
 def test_native_whole_width_steps_are_the_norms_and_clamp_bits():
     # q and k normed across their heads as RMSNorm's native call norms them (the same bits),
     # then q, k and v clamped as torch clamps 16-bit tensors: the limit rounded first (8.3 is

@@ -1,6 +1,7 @@
 /* The small elementwise steps between a CPU engine's products, each in one call: SwiGLU
  * (dense MLPs and shared experts), the attention output's sigmoid gate (Qwen3-Next/3.5),
- * a shared expert's gated add to the routed experts' output. Each was two to four torch ops
+ * a shared expert's gated add to the routed experts' output, and the embedding's rows a
+ * decode program starts from and its logits' widening to float32 it ends with. Each was two to four torch ops
  * (a few us of dispatch each for a few thousand flops), and as native calls a decode
  * program (cpu_program.c) records them with the products around them.
  *
@@ -74,6 +75,41 @@ void ft_qkv_whole(void *qkv, int fmt, int64_t t_count, int64_t w, int64_t nq, in
                 const float v = scalar_w(row + e, fmt);
                 store_as(row, e, v > c ? c : v < -c ? -c : v, fmt);
             }
+        }
+    }
+}
+
+/* out [T, D] = table[ids[t]] (16-bit rows of `row_bytes`), the embedding's gather at the head
+ * of a decode program: the step's token ids go in as data, as a CUDA graph's do, so the host
+ * runs no gather of its own between steps. Returns -2, before writing a row, where an id is
+ * outside [0, v). */
+int ft_embed(const void *table, int64_t v, int64_t row_bytes, const int64_t *ids,
+             int64_t t_count, void *out) {
+    for (int64_t t = 0; t < t_count; t++)
+        if (ids[t] < 0 || ids[t] >= v)
+            return -2;
+    for (int64_t t = 0; t < t_count; t++)
+        memcpy((char *)out + t * row_bytes, (const char *)table + ids[t] * row_bytes,
+               row_bytes);
+    return 0;
+}
+
+/* out [T, N] float32 = x [T, N] (fmt 0 or 1) widened, as torch's .float() of the 16-bit
+ * logits: the program ends with the sampler's input, so the host runs no torch op on it. */
+void ft_widen(const void *x, int fmt, int64_t t_count, int64_t n, float *out, int threads) {
+    const int64_t count = t_count * n, part = 4096;   /* 16 KB of float32 a thread's turn */
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= 4 * part)
+    for (int64_t e0 = 0; e0 < count; e0 += part) {
+        const int64_t e1 = e0 + part < count ? e0 + part : count;
+        if (fmt == 0) {                     /* bf16: its bits above 16 zero bits */
+            const uint16_t *src = x;
+            uint32_t *bits = (uint32_t *)out;
+            for (int64_t e = e0; e < e1; e++)
+                bits[e] = (uint32_t)src[e] << 16;
+        } else {
+            const _Float16 *src = x;
+            for (int64_t e = e0; e < e1; e++)
+                out[e] = (float)src[e];
         }
     }
 }

@@ -50,6 +50,10 @@ void ft_sigmoid_gate(void *o, const void *g, int fmt, int64_t t_count, int64_t h
                      int64_t dh, int64_t gs, int64_t ghs, int threads);
 void ft_add_gated(void *h, const void *y, const void *gl, int64_t gls, int fmt,
                   int64_t t_count, int64_t d, int threads);
+void ft_widen(const void *x, int fmt, int64_t t_count, int64_t n, float *out,
+              int threads);
+int ft_embed(const void *table, int64_t v, int64_t row_bytes, const int64_t *ids,
+             int64_t t_count, void *out);
 void ft_qkv_whole(void *qkv, int fmt, int64_t t_count, int64_t w, int64_t nq, int64_t nk,
                   const uint16_t *wq, const uint16_t *wk, float eps, float clip, int threads);
 int ft_mla_decode(const void *q, const void *kv, int fmt, int64_t b_count, int64_t h,

@@ -586,11 +586,37 @@ class NativeKernels:
         self._add_gated(*a[:5], op.rows, a[5], torch.get_num_threads())
         return h
 
+    def embed_op(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> Op:
+        """out [T, D] = table [V, D]'s rows ids [T] (int64), a program's first op: its
+        run's token ids written into `ids` as data. An id outside [0, V) fails the run
+        before it writes a row."""
+        v, d = table.shape
+        t = ids.shape[0]
+        if not (table.dtype in (torch.bfloat16, torch.float16) and table.is_contiguous()
+                and ids.dtype == torch.int64 and ids.is_contiguous() and ids.dim() == 1
+                and out.dtype == table.dtype and out.is_contiguous()
+                and tuple(out.shape) == (t, d)):
+            raise ValueError(f"native embed: a contiguous 16-bit table [V, D], int64 ids [T] "
+                             f"and out [T, D] in its dtype expected, got {tuple(table.shape)} "
+                             f"{table.dtype}, {tuple(ids.shape)} {ids.dtype}, "
+                             f"{tuple(out.shape)} {out.dtype}")
+        return Op(OP_EMBED, t, (table.data_ptr(), v, d * table.element_size(), ids.data_ptr(),
+                                out.data_ptr()), (), (table, ids, out))
+
+    def widen_op(self, x: torch.Tensor, out: torch.Tensor) -> Op:
+        """out [T, N] float32 = x [T, N] (16-bit) widened: x.float()'s values."""
+        t, n = x.shape
+        fmt = self._gate_args("widen", (x, (t, n)))
+        if fmt == _IO_FORMATS[torch.float32] or not (
+                out.dtype == torch.float32 and out.is_contiguous() and out.shape == x.shape):
+            raise ValueError(f"native widen: 16-bit x and float32 out of its shape expected, "
+                             f"got {tuple(x.shape)} {x.dtype}, {tuple(out.shape)} {out.dtype}")
+        return Op(OP_WIDEN, t, (x.data_ptr(), fmt, n, out.data_ptr()), (), (x, out))
 
 
 # cpu_program.c's op kinds
 (OP_RMS_NORM, OP_LINEAR, OP_ATTN, OP_TOPK, OP_MOE, OP_GDN, OP_SILU_MUL, OP_SIGMOID_GATE,
- OP_ADD_GATED, OP_TOPK_BIASED, OP_QKV_WHOLE, OP_MLA) = range(12)
+ OP_ADD_GATED, OP_TOPK_BIASED, OP_QKV_WHOLE, OP_MLA, OP_EMBED, OP_WIDEN) = range(14)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

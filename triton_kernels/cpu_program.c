@@ -13,7 +13,8 @@
 
 enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4, OP_GDN = 5,
        OP_SILU_MUL = 6, OP_SIGMOID_GATE = 7, OP_ADD_GATED = 8, OP_TOPK_BIASED = 9,
-       OP_QKV_WHOLE = 10, OP_MLA = 11 };
+       OP_QKV_WHOLE = 10, OP_MLA = 11, OP_EMBED = 12,
+       OP_WIDEN = 13 };
 #define OP_INTS 32
 
 struct ft_op {
@@ -80,6 +81,12 @@ int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed)
             break;
         case OP_ADD_GATED:  /* h, y, gl, gls, fmt, d */
             ft_add_gated(P(0), P(1), P(2), a[3], (int)a[4], t, a[5], threads);
+            break;
+        case OP_EMBED:      /* table, v, row_bytes, ids, out */
+            rc = ft_embed(P(0), a[1], a[2], P(3), t, P(4));
+            break;
+        case OP_WIDEN:      /* x, fmt, n, out */
+            ft_widen(P(0), (int)a[1], t, a[2], P(3), threads);
             break;
         default:
             rc = -4;

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from triton_kernels.cpu_native import (ATTN_RANGE, OP_ATTN, OP_GDN, OP_MLA, NativeKernels, Op,
-                                       _check_rc)
+from triton_kernels.cpu_native import (ATTN_RANGE, OP_ATTN, OP_EMBED, OP_GDN, OP_MLA,
+                                       NativeKernels, Op, _check_rc)
 
 _INTS = 32          # cpu_program.c's OP_INTS
 
@@ -87,7 +87,8 @@ class CpuProgram:
         failed = ctypes.c_int64(-1)
         for run in self._runs:
             if callable(run):
-                run(t)
+                with torch.inference_mode():    # (the run itself is entered outside it)
+                    run(t)
                 continue
             arr, ops = run
             rc = self.kernel.run(ctypes.addressof(arr), len(ops), t, threads,
@@ -98,8 +99,10 @@ class CpuProgram:
                     from triton_kernels.cpu_gated_delta import _raise
                     _raise(rc, label)
                 if rc == -2:
-                    raise ValueError(f"{label}: " + (ATTN_RANGE if op.kind in (OP_ATTN, OP_MLA)
-                                                     else "an expert id outside its bank"))
+                    raise ValueError(f"{label}: " + (
+                        ATTN_RANGE if op.kind in (OP_ATTN, OP_MLA)
+                        else "a token id outside the vocabulary" if op.kind == OP_EMBED
+                        else "an expert id outside its bank"))
                 if rc == -4:
                     raise ValueError(f"{label}: op kind {op.kind} is not one the library has")
                 _check_rc(rc, label, "its scratch")     # -3: int4 groups; else memory

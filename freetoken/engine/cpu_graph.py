@@ -3,9 +3,10 @@
 The modules' decode step on a CPU engine is ~8 native calls a layer (cpu_native.py's bound
 calls) with Python between them; each call costs 10-15 us beyond its work. Here the same
 calls are recorded once (triton_kernels/cpu_program.py) over buffers of ROWS rows, and each
-pure-decode batch of up to ROWS sequences replays them: the embedding rows and the batch's
-positions, slots, lengths and block tables copied in, one library call per run of native
-ops, the logits copied out.
+pure-decode batch of up to ROWS sequences replays them: the scheduler's chunks (token ids,
+positions, slots, lengths, block tables) written into the int buffers, one library call per
+run of native ops from the embedding's gather to the logits widened to float32, whose rows
+the sampler reads where they are.
 Same kernels, same arguments, same order: the same bits as the modules' step
 (ROWS says why only up to it). Batch-1 steps on a 2-core Xeon (bench/cpu.py's 12-layer
 model; timed alone over 64 tokens), modules -> program: bf16 12.9 -> 10.6 ms, FP8 10.9 ->
@@ -32,22 +33,23 @@ modules run every step):
 Families that fit: all of the registry's.
 `enforce_eager` (vLLM's name) turns it off.
 
-Buffers (R = ROWS, D hidden): res [R, D] the residual stream (the embedding rows first), h
+Buffers (R = ROWS, D hidden): ids, positions, slots, lengths [R] and block tables [R, M]
+(the step's chunks); res [R, D] the residual stream (the embedding rows first), h
 [R, D] each block's output, n [R, D] the normed input of the next block; per layer shape,
 qkv [R, (Hq + 2Hk) Dh] (gated: (2Hq + 2Hk) Dh), o and its float32 scratch [R, Hq Dh], a
 Gated DeltaNet layer's projections [R, P] and output [R, Hv Dv], router logits [R, E],
 top-k weights and ids [R, k], the experts' scratch, a shared expert's gate/up [R, 2I],
-activation [R, I], output [R, D] and gate logit [R, 1]; logits [R, V]; the sequences' state
-slots and has-state flags [R] (hybrid models).
+activation [R, I], output [R, D] and gate logit [R, 1]; logits [R, V] in the model's dtype
+and in float32; the sequences' state slots and has-state flags [R] (hybrid models).
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
 import torch
 
 import triton_kernels as tk
-from freetoken.engine.batch import ForwardBatch
 from freetoken.models.layers.attention import Attention
 from freetoken.models.layers.decoder import DecoderLayer, MoeForCausalLM
 from freetoken.models.layers.linear import Linear, QuantLinear
@@ -56,6 +58,9 @@ from freetoken.models.layers.mla import MlaAttention
 from freetoken.models.layers.mlp import DenseMLP
 from freetoken.models.layers.moe import SparseMoeBlock
 from triton_kernels.cpu_linear import GEMM_ROWS, NATIVE_ROWS
+
+if TYPE_CHECKING:
+    from freetoken.engine.model_runner import SeqChunk
 
 # From NATIVE_ROWS rows the projections take the GEMMs, and from GEMM_ROWS rows an expert a
 # MoE call's experts take AMX's products (fused_moe._amx_prefill): below both, the modules'
@@ -83,6 +88,7 @@ class CpuDecodeGraph:
         _need(dtype in (torch.bfloat16, torch.float16), f"a {dtype} model")
         self.dtype, r = dtype, ROWS
         self.res, self.h, self.n = (torch.zeros(r, d, dtype=dtype) for _ in range(3))
+        self.ids = torch.zeros(r, dtype=torch.int64)
         self.positions = torch.zeros(r, dtype=torch.int64)
         self.slots = torch.zeros(r, dtype=torch.int64)
         self.lens = torch.ones(r, dtype=torch.int32)
@@ -90,14 +96,13 @@ class CpuDecodeGraph:
         self.state_slots = torch.zeros(r, dtype=torch.int32)
         self.has_state = torch.ones(r, dtype=torch.uint8)
         self.recurrent = False                      # any Gated DeltaNet layer (run's copies)
-        # numpy views of the step's int buffers: run's copies into them through numpy take
-        # ~1 us each, through torch's slice assignment 15-25 (6 a step: 0.1 ms of a 5.5 ms
-        # INT4 batch-1 step)
+        # numpy views of the step's int buffers, which decode() writes the step's chunks into
         self._np = {name: getattr(self, name).numpy() for name in
-                    ("positions", "slots", "lens", "tables", "state_slots", "has_state")}
+                    ("ids", "positions", "slots", "lens", "tables", "state_slots", "has_state")}
         self._kernel = kernel
         self._shared: dict = {}                     # buffers by (name, width, dtype)
         prog = self.program = tk.CpuProgram(kernel, r)
+        prog.add(kernel.embed_op(self.embed, self.ids, self.res), "the embedding")
         for i, layer in enumerate(inner.layers):
             _need(type(layer) is DecoderLayer, f"layer {i} is a {type(layer).__name__}")
             norm_in, norm_post = (layer.input_layernorm.native,
@@ -122,6 +127,10 @@ class CpuDecodeGraph:
         prog.add(inner.norm.native.op(self.h, self.res, self.n, self.res), "the final norm")
         self.logits = torch.zeros(r, model.config.vocab_size, dtype=dtype)
         self._linear(model.lm_head, self.n, self.logits, "lm_head")
+        # and the sampler's float32 input, a view of it for each row count made here
+        logits32 = torch.zeros(r, model.config.vocab_size)
+        prog.add(kernel.widen_op(self.logits, logits32), "the logits' widening")
+        self._logit_rows = [logits32[:b] for b in range(r + 1)]
         prog.compile()
         self.runs = 0                               # steps replayed (instrumentation, tests)
 
@@ -273,27 +282,38 @@ class CpuDecodeGraph:
         self.program.add(self._kernel.add_gated_op(self.h, shared, logit),
                          f"layer {i}'s shared experts' add")
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """float32 logits [N, V] for batch.logits_indices, or None where the batch is not a
-        pure decode of at most ROWS sequences (the modules run it)."""
-        t = batch.num_tokens
-        m = batch.block_tables.shape[1]
-        if (batch.max_seqlen_q != 1 or batch.num_seqs != t or not 1 <= t <= ROWS
-                or m > self.tables.shape[1]):
+    def decode(self, chunks: list[SeqChunk], block_size: int) -> torch.Tensor | None:
+        """float32 logits [B, V], a row for each chunk (the program's buffer: read them before
+        the next step), or None where the step is not a decode of at most ROWS sequences that
+        all sample (the modules run it).
+
+        No torch op runs here: the chunks go straight into the program's buffers (no
+        ForwardBatch), the embedding's gather and the logits' widening are the program's.
+        The program streams 0.1-0.3 GB of weights a step, which leaves the host's code and
+        data in DRAM, and each torch op after it cost 20-170 us. FP8 bench model, batch 1,
+        the old host path and this one alternated in one process (12 pairs of 200 steps):
+        the host's share of a step 1.24 -> 0.90 ms, the step 10.17 -> 9.96 ms (the program
+        itself ran 0.14 ms slower after the shorter host part; 10 of 12 pairs won)."""
+        b = len(chunks)
+        if not 1 <= b <= ROWS or any(len(c.token_ids) != 1 or not c.want_logits for c in chunks):
             return None
-        torch.index_select(self.embed, 0, batch.input_ids, out=self.res[:t])
+        m = max(len(c.block_ids) for c in chunks)
+        if m > self.tables.shape[1]:
+            return None
         buf = self._np
-        np.copyto(buf["positions"][:t], batch.positions.numpy())
-        np.copyto(buf["slots"][:t], batch.slot_mapping.numpy())
-        np.copyto(buf["lens"][:t], batch.seq_lens.numpy())
-        np.copyto(buf["tables"][:t, :m], batch.block_tables.numpy())
-        buf["tables"][:t, m:] = -1      # no block of an earlier batch: the C checks refuse -1
+        buf["ids"][:b] = [c.token_ids[0] for c in chunks]
+        buf["positions"][:b] = [c.start for c in chunks]
+        buf["lens"][:b] = [c.start + 1 for c in chunks]
+        buf["slots"][:b] = [c.block_ids[c.start // block_size] * block_size
+                            + c.start % block_size for c in chunks]
+        tables = buf["tables"]
+        for r, c in enumerate(chunks):
+            n = len(c.block_ids)
+            tables[r, :n] = c.block_ids
+            tables[r, n:] = -1  # no block of an earlier step: the C checks refuse -1
         if self.recurrent:
-            np.copyto(buf["state_slots"][:t], batch.state_slots.numpy())
-            np.copyto(buf["has_state"][:t], batch.has_initial_state.numpy())
-        self.program.run(t)
+            buf["state_slots"][:b] = [c.state_slot for c in chunks]
+            buf["has_state"][:b] = [c.start > 0 for c in chunks]
+        self.program.run(b)
         self.runs += 1
-        rows = self.logits[:t]
-        if batch.logits_indices.numel() != t:   # (t sorted rows below t are all of them)
-            rows = rows.index_select(0, batch.logits_indices)
-        return rows.float()             # (the gather took 30-100 us a batch-1 step)
+        return self._logit_rows[b]

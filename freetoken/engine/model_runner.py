@@ -352,26 +352,35 @@ class ModelRunner:
         of the tokens before this chunk (a first prefill chunk starts from zeros)."""
         if self.kv.slots is None:
             return {}
+        self._check_state_slots(chunks)
+        return {"state_slots": to_dev([c.state_slot for c in chunks], torch.int32),
+                "has_initial_state": to_dev([c.start > 0 for c in chunks], torch.bool)}
+
+    def _check_state_slots(self, chunks: list[SeqChunk]) -> None:
         bad = [c.state_slot for c in chunks if not 0 <= c.state_slot < self.kv.slots.num_slots]
         if bad:
             raise ValueError(f"a sequence has no state slot ({bad[0]}): this model's "
                              f"linear-attention layers need one per sequence")
-        return {"state_slots": to_dev([c.state_slot for c in chunks], torch.int32),
-                "has_initial_state": to_dev([c.start > 0 for c in chunks], torch.bool)}
 
-    @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], all_logits: bool = False) -> torch.Tensor:
         """One forward. Returns float32 logits [N, V]: one row per chunk with want_logits,
         or (all_logits) one row per token, for scoring."""
-        batch = self.prepare(chunks)
         if self.moe is not None:
             self.moe.begin_step()
-        if all_logits:
-            batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
         if self.cpu_graph is not None and not all_logits:
-            logits = self.cpu_graph.run(batch)
+            if self.kv.slots is not None:
+                self._check_state_slots(chunks)
+            # a decode step the program takes: no torch op at all (not even inference mode's)
+            logits = self.cpu_graph.decode(chunks, self.config.block_size)
             if logits is not None:
                 return logits
+        return self._forward(chunks, all_logits)
+
+    @torch.inference_mode()
+    def _forward(self, chunks: list[SeqChunk], all_logits: bool) -> torch.Tensor:
+        batch = self.prepare(chunks)
+        if all_logits:
+            batch.logits_indices = torch.arange(batch.num_tokens, device=self.device)
         with triton_kernels.kernel_backend(self.config.kernel_backend):
             return self.model(batch)
 

@@ -42,26 +42,39 @@ class SampleResult:
 def sample(logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None = None) -> SampleResult:
     """bitmask: None, or [N, ceil(V/32)] int32 (grammar.py): a 0 bit masks that row's token."""
     n, vocab = logits.shape
-    raw = logits = logits.float()  # logprobs report the model's own distribution
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    raw = logits                   # logprobs report the model's own distribution
     logits = _process(logits, rows, bitmask)
 
     # The host syncs of a step: the final tolist(), and one more only when a top-p row
     # without top-k must check that its nucleus lies within its candidates. Per-row settings
     # go to the device without a blocking copy (_rows_tensor); who samples is host-side.
-    chosen = _argmax(logits)
     draw = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    if draw:
-        dev = logits.device
-        drawn_rows = [rows[i] for i in draw]
-        temps = _rows_tensor([r.params.temperature for r in drawn_rows], torch.float32, dev)
-        picked = logits if len(draw) == n else logits[_rows_tensor(draw, torch.int64, dev)]
-        sampled = _draw(picked / temps[:, None], drawn_rows)
-        if len(draw) == n:
-            chosen = sampled
-        else:
-            chosen[_rows_tensor(draw, torch.int64, dev)] = sampled
+    if not draw:
+        token_ids = _greedy_ids(logits)
+        return SampleResult(token_ids, _logprobs(raw, token_ids, rows))
+    chosen = _argmax(logits)
+    dev = logits.device
+    drawn_rows = [rows[i] for i in draw]
+    temps = _rows_tensor([r.params.temperature for r in drawn_rows], torch.float32, dev)
+    picked = logits if len(draw) == n else logits[_rows_tensor(draw, torch.int64, dev)]
+    sampled = _draw(picked / temps[:, None], drawn_rows)
+    if len(draw) == n:
+        chosen = sampled
+    else:
+        chosen[_rows_tensor(draw, torch.int64, dev)] = sampled
     token_ids = chosen.tolist()
     return SampleResult(token_ids, _logprobs(raw, token_ids, rows))
+
+
+def _greedy_ids(logits: torch.Tensor) -> list[int]:
+    """_argmax's ids as a list. On the CPU without a torch op: after a CPU engine's decode
+    program each one cost 20-170 us, its code evicted by the weights' stream
+    (engine/cpu_graph.py)."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1).tolist()
+    return logits.numpy().argmax(axis=-1).tolist()
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
