@@ -567,18 +567,20 @@ def blocks_of_4(c):
 
 
 @pytest.mark.parametrize("lens,hq,hk,dh,window,sinks", [
-    ([1, 6, 13, 9], 4, 2, 32, None, False),
+    ([1, 6, 13, 9], 4, 2, 32, None, False),            # (all the loop's: under 768 keys)
     ([3000, 17, 2049], 8, 2, 64, None, True),          # splits of 512 keys, a ragged last
-    ([2500, 300], 20, 2, 64, 700, True),               # 10 q heads a kv head; a window
-    ([1300, 2], 40, 2, 64, 300, True),                 # 16 + 4 q heads a kv head
+    ([2500, 300], 20, 2, 64, 800, True),               # 10 q heads a kv head; a window
+    ([1300, 2], 40, 2, 64, 1000, True),                # 16 + 4 q heads a kv head
     ([1500], 16, 4, 128, None, False),
-    ([1100, 5], 12, 4, 96, 40, True)])                 # a window inside one tile
+    ([1100, 5, 767, 768], 12, 4, 96, 781, True)])      # a window from inside a tile
 def test_native_decode_attention_on_amx_tiles_matches_its_loop(lens, hq, hk, dh, window, sinks,
                                                               threads):
     # A bf16 step over 16-token blocks takes AMX's tiles for its scores (cpu_attention.c,
-    # decode_units) where this CPU has them; over 4-token blocks the loop. The same keys in both: the products are
-    # exact in float32 either way and only their sums' order differs, so the outputs agree
-    # but for rare last-bit ties; and against the torch path as the loop does.
+    # decode_units) where this CPU has them, for each sequence of 768 keys or more (its
+    # window's; the shorter ones of the same batch the loop); over 4-token blocks the loop
+    # for all. The same keys in both: the products are exact in float32 either way and only
+    # their sums' order differs, so the outputs agree but for rare last-bit ties; and
+    # against the torch path as the loop does.
     threads(2)
     # (the tiles where the AMX kernels run at all; 4-token blocks never)
     assert kernel.attn_decode_tiles(torch.bfloat16, torch.bfloat16, dh, 16) \
@@ -603,6 +605,24 @@ def test_native_decode_attention_on_amx_tiles_matches_its_loop(lens, hq, hk, dh,
         kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
         assert torch.equal(outs[0], step(c["qkv"], c["positions"], c["cos_sin"], kc, vc,
                                          c["slots"], c["tables"], c["lens"]))
+
+
+def test_native_decode_attention_bits_do_not_depend_on_the_batch(threads):
+    # Each sequence takes the tiles or the loop on its own keys (768 and more: the tiles,
+    # where this CPU has them): one call with both kinds gives each sequence the bits it
+    # gets alone (a step's work items, splits and joins of the two paths side by side)
+    threads(2)
+    lens = [900, 40, 2000, 767, 300, 131]
+    c = attention_case(7, lens, hq=16, hk=2, dh=128, bs=16)
+    step = tk.CpuDecodeAttention(kernel, c["heads"], c["q_norm"], c["k_norm"], 1e-6, 0.125,
+                                 None, None, False)
+    batch = step(c["qkv"], c["positions"], c["cos_sin"], c["k_cache"].clone(),
+                 c["v_cache"].clone(), c["slots"], c["tables"], c["lens"])
+    for b in range(len(lens)):
+        one = slice(b, b + 1)
+        alone = step(c["qkv"][one], c["positions"][one], c["cos_sin"], c["k_cache"].clone(),
+                     c["v_cache"].clone(), c["slots"][one], c["tables"][one], c["lens"][one])
+        assert torch.equal(alone, batch[one])
 
 
 def test_native_decode_attention_on_amx_tiles_reads_no_stale_slot(threads):

@@ -264,6 +264,14 @@ static void decode_join(const struct split_item *its, int64_t n, int64_t stride,
     }
 }
 
+/* A sequence takes the tiles from this many keys (its window's), the loop below them. In a
+ * decode program, whose weights' stream between two layers' steps leaves their keys, code
+ * and scratch cold, the loop took 16.7 / 30.1 / 48.4 / 95.8 us a layer where the tiles
+ * took 21.5 / 36.8 / 67.7 / 88.3 (INT4 bench model, batch 1, 2-core Xeon: contexts from
+ * 16, 200, 450 and 900 keys and the 100 after each; warm and alone, the tiles win from
+ * ~256). Chosen per sequence, on its own keys: its bits do not depend on its batch. */
+#define AMX_DECODE_KEYS 768
+
 #if FT_AMX
 /* Step 2 on AMX tiles, where the step is bf16 (q rounded to bf16 in step 1, a bf16 cache)
  * and the cache's blocks hold whole 16-key tiles. The scalar loop above spent ~100
@@ -444,13 +452,15 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     /* Step 2 on AMX (decode_units), where it applies. Units in (sequence, split, kv head,
      * q head chunk) order; work items a split's units of `per` kv heads; each (sequence,
      * kv head, chunk)'s units joined after, splits_b of them, `per_split` apart. */
-    const int amx = ft_attn_decode_tiles(fmt, cfmt, dh, bs);
+    const int tiles = ft_attn_decode_tiles(fmt, cfmt, dh, bs);
     const int64_t hchunks = (group + HEADS_AMX - 1) / HEADS_AMX, per_split = hk * hchunks;
     int64_t n_units = 0, n_splits = 0;
-    for (int64_t b = 0; amx && b < b_count; b++) {
+    for (int64_t b = 0; tiles && b < b_count; b++) {
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
-        n_splits += (lens[b] - (first & ~(int64_t)15) + SPLIT_KEYS - 1) / SPLIT_KEYS;
+        if (lens[b] - first >= AMX_DECODE_KEYS)
+            n_splits += (lens[b] - (first & ~(int64_t)15) + SPLIT_KEYS - 1) / SPLIT_KEYS;
     }
+    const int amx = n_splits > 0;           /* some sequence takes the tiles */
     n_units = n_splits * per_split;
     const int64_t per = n_splits >= threads ? hk : 1;       /* kv heads a work item */
     struct split_item *items = amx ? malloc((n_units + 1) * sizeof *items) : NULL;
@@ -464,7 +474,8 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     for (int64_t b = 0, i = 0, sp = 0; amx && b < b_count; b++) {
         const int64_t first = window > 0 && lens[b] > window ? lens[b] - window : 0;
         split_at[b] = sp;
-        for (int64_t k0 = first & ~(int64_t)15; k0 < lens[b]; k0 += SPLIT_KEYS, sp++)
+        for (int64_t k0 = first & ~(int64_t)15;
+             lens[b] - first >= AMX_DECODE_KEYS && k0 < lens[b]; k0 += SPLIT_KEYS, sp++)
             for (int64_t kv = 0; kv < hk; kv++)
                 for (int64_t hc = 0; hc < hchunks; hc++, i++)
                     items[i] = (struct split_item){
@@ -477,7 +488,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     }
     const int64_t sc_bytes = per * hchunks * ((SPLIT_KEYS + 32) * 16 + (dh / 32) * 512) * 4;
 #else
-    const int amx = 0;
+    const int tiles = 0;
 #endif
     /* Step 2 without AMX (attend_units): units in (sequence, split, kv head, q head chunk)
      * order, a sequence's from unit_at[b], a split sequence's joined after, `per_split_g`
@@ -485,30 +496,32 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     const int64_t chunks = (group + chunk - 1) / chunk, per_split_g = hk * chunks;
     const int64_t part_g = 32 + chunk * dh;
     int64_t n_g = 0, n_parts = 0, most_keys = 1, splits_all = 0;
-    for (int64_t b = 0; !amx && b < b_count; b++) {
+    for (int64_t b = 0; b < b_count; b++) {
         int64_t first, splits, size;
         seq_splits(lens[b], window, &first, &splits, &size);
+        if (tiles && lens[b] - first >= AMX_DECODE_KEYS)
+            continue;                       /* (the tiles') */
         n_g += splits * per_split_g;
         n_parts += splits > 1 ? splits * per_split_g : 0;
         most_keys = size > most_keys ? size : most_keys;
         splits_all += splits;
     }
     const int64_t per_g = splits_all >= threads ? hk : 1, units_w = per_g * chunks;
-    struct split_item *g_units = amx ? NULL : malloc((n_g + 1) * sizeof *g_units);
-    int64_t *unit_at = amx ? NULL : malloc((b_count + 1) * sizeof *unit_at);
-    float *g_parts = amx ? NULL : malloc((n_parts + 1) * part_g * sizeof *g_parts);
-    if (!amx && (!g_units || !unit_at || !g_parts)) {
+    struct split_item *g_units = malloc((n_g + 1) * sizeof *g_units);
+    int64_t *unit_at = malloc((b_count + 1) * sizeof *unit_at);
+    float *g_parts = malloc((n_parts + 1) * part_g * sizeof *g_parts);
+    if (!g_units || !unit_at || !g_parts) {
         free(g_units), free(unit_at), free(g_parts);
 #if FT_AMX
         free(items), free(split_at), free(parts);
 #endif
         return -1;
     }
-    for (int64_t b = 0, i = 0, p = 0; !amx && b < b_count; b++) {
+    for (int64_t b = 0, i = 0, p = 0; b < b_count; b++) {
         int64_t first, splits, size;
         seq_splits(lens[b], window, &first, &splits, &size);
         unit_at[b] = i;
-        for (int64_t s = 0; s < splits; s++)
+        for (int64_t s = 0; !(tiles && lens[b] - first >= AMX_DECODE_KEYS) && s < splits; s++)
             for (int64_t kv = 0; kv < hk; kv++)
                 for (int64_t c = 0; c < chunks; c++, i++) {
                     const int64_t h0 = kv * group + c * chunk;
@@ -524,8 +537,10 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
     {
         float *h = malloc(units_w * chunk * dh * sizeof *h);   /* (step 1's too) */
 #if FT_AMX
-        float *scores = amx ? aligned_alloc(64, sc_bytes)
-                            : malloc(units_w * chunk * most_keys * sizeof *scores);
+        /* the tiles' scores and q tiles, or the loop's scores: the larger, both may run */
+        const int64_t loop_bytes = units_w * chunk * most_keys * (int64_t)sizeof(float);
+        float *scores = aligned_alloc(64, ((amx && sc_bytes > loop_bytes ? sc_bytes : loop_bytes)
+                                           + 63) / 64 * 64);
 #else
         float *scores = malloc(units_w * chunk * most_keys * sizeof *scores);
 #endif
@@ -578,17 +593,18 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
 #pragma omp for schedule(static)
                 for (int64_t g = 0; g < b_count * per_split; g++) {
                     const int64_t b = g / per_split, first = split_at[b] * per_split + g % per_split;
-                    decode_join(items + first, split_at[b + 1] - split_at[b], per_split, dh, hq,
-                                sinks, out, fmt);
+                    if (split_at[b + 1] > split_at[b])      /* (else the loop's sequence) */
+                        decode_join(items + first, split_at[b + 1] - split_at[b], per_split, dh,
+                                    hq, sinks, out, fmt);
                 }
                 _tile_release();
             }
 #endif
-            /* Without AMX: each work item's keys through attend_units, each unit's sums to
-             * out where the keys are all its sequence's, else to its partial; then the
-             * splits joined. */
+            /* The loop's sequences (all of them without AMX): each work item's keys through
+             * attend_units, each unit's sums to out where the keys are all its sequence's,
+             * else to its partial; then the splits joined. */
 #pragma omp for schedule(dynamic)
-            for (int64_t w = 0; w < (amx ? 0 : n_g / units_w); w++) {
+            for (int64_t w = 0; w < n_g / units_w; w++) {
                 const struct split_item *its = g_units + w * units_w;
                 key_rows(tables + its->b * max_blocks, its->k0, its->k1, bs, hk, its->kv, dh,
                          rows);
@@ -620,7 +636,7 @@ int ft_attn_decode(const void *qkv, int fmt, int64_t b_count, int64_t hq, int64_
                 }
             }
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < (amx ? 0 : b_count * per_split_g); g++) {
+            for (int64_t g = 0; g < b_count * per_split_g; g++) {
                 const int64_t b = g / per_split_g, first = unit_at[b] + g % per_split_g;
                 const int64_t splits = (unit_at[b + 1] - unit_at[b]) / per_split_g;
                 if (splits > 1)
