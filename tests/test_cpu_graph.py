@@ -136,6 +136,34 @@ def test_a_program_step_dispatches_no_torch_op(tiny_model_dir):  # noqa: F811
     # and a token it samples is the modules' (test_program_steps_give_the_modules_bits)
 
 
+def test_a_program_profiles_its_ops_inside_real_steps(tiny_model_dir):  # noqa: F811
+    # CpuProgram.profile: each run adds each item's wall time (the library's ft_run_timed),
+    # which bench/cpu_profile.py sums by op kind against the step
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    path = str(tiny_model_dir("qwen3_moe", seed=3, **SHAPE))
+    llm = LLM(path, skip_tokenizer_init=True, dtype="bfloat16")
+    prog = llm.runner.cpu_graph.program
+    prog.profile = np.zeros(len(prog.items))
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0))
+    assert (prog.profile > 0).all() and prog.labels[0] == "the embedding"
+    prog.profile = np.zeros(3)
+    with pytest.raises(ValueError, match="a profile of"):
+        prog.run(1)
+    bench = Path(__file__).resolve().parents[1] / "bench" / "cpu_profile.py"
+    out = subprocess.run([sys.executable, str(bench), "--model", path, "--tokens", "6",
+                          "--prompt", "8"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "5 decode steps" in lines[0]
+    assert any(line.split()[0] == "experts" and line.split()[-1].replace(".", "").isdigit()
+               for line in lines[2:])              # (its GB/s: batch 1's routed experts)
+    assert any(line.strip().startswith("host") for line in lines)
+
+
 def test_models_the_calls_do_not_cover_run_the_modules(tiny_model_dir):  # noqa: F811
     # A float32 model has no 16-bit native calls to record: its engine builds no program,
     # says why, and its modules decode

@@ -74,5 +74,7 @@ int ft_attn_flash(const void *q, const void *k_cache, const void *v_cache, int f
                   const float *sinks, int threads, void *scratch, int64_t scratch_bytes,
                   int64_t pack_cap, void *out);
 int ft_run(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed);
+int ft_run_timed(const void *ops, int64_t n, int64_t t, int threads, int64_t *failed,
+                 double *ns);
 
 #endif

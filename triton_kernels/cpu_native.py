@@ -188,6 +188,10 @@ class NativeKernels:
         fn.argtypes = [p, i64, i64, c_int, p]
         fn.restype = c_int
         self.run = fn           # cpu_program.c: a list of the calls above in one call
+        fn = lib.ft_run_timed   # the same, each call's wall time (ns) added to an array
+        fn.argtypes = [p, i64, i64, c_int, p, p]
+        fn.restype = c_int
+        self.run_timed = fn
 
     def forms(self) -> str:
         """How this build's products meet quantized weights, which differs by CPU (a bench's

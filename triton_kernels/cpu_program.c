@@ -10,6 +10,7 @@
  * Returns 0, or the first failing kernel's code with its op's index in *failed.
  */
 #include "cpu_kernels.h"
+#include <time.h>
 
 enum { OP_RMS_NORM = 0, OP_LINEAR = 1, OP_ATTN = 2, OP_TOPK = 3, OP_MOE = 4, OP_GDN = 5,
        OP_SILU_MUL = 6, OP_SIGMOID_GATE = 7, OP_ADD_GATED = 8, OP_TOPK_BIASED = 9,
@@ -25,9 +26,17 @@ struct ft_op {
 
 #define P(i) ((void *)(intptr_t)a[i])
 
-int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed) {
-    const struct ft_op *ops = list;
+static double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e9 + ts.tv_nsec;
+}
+
+/* ns: NULL, or each op's wall time added to ns[i] (ft_run_timed: a step's profile by op). */
+static int run_ops(const struct ft_op *ops, int64_t n, int64_t t, int threads, int64_t *failed,
+                   double *ns) {
     for (int64_t i = 0; i < n; i++) {
+        const double start = ns ? now_ns() : 0.;
         const int64_t *a = ops[i].a;
         const float *f = ops[i].f;
         int rc = 0;
@@ -91,10 +100,21 @@ int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed)
         default:
             rc = -4;
         }
+        if (ns)
+            ns[i] += now_ns() - start;
         if (rc) {
             *failed = i;
             return rc;
         }
     }
     return 0;
+}
+
+int ft_run(const void *list, int64_t n, int64_t t, int threads, int64_t *failed) {
+    return run_ops(list, n, t, threads, failed, NULL);
+}
+
+int ft_run_timed(const void *list, int64_t n, int64_t t, int threads, int64_t *failed,
+                 double *ns) {
+    return run_ops(list, n, t, threads, failed, ns);
 }

@@ -12,13 +12,19 @@ run between those runs as Python callables of the row count, over the same buffe
 Every buffer is the program's, sized for `rows` rows; a run takes t <= rows of them, the
 first t rows of each (the kernels' outputs are a function of their own rows only, so the
 same bits as the calls made one by one on [t, ..] tensors).
+
+`profile`: None, or a float64 array of one entry an item (`items`, labelled by `labels`) to
+which each run adds each item's wall time in ns (bench/cpu_profile.py: where a decode step's
+time goes, op by op, inside real steps).
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from triton_kernels.cpu_native import (ATTN_RANGE, OP_ATTN, OP_EMBED, OP_GDN, OP_MLA,
@@ -41,6 +47,7 @@ class CpuProgram:
         self.items: list[Op | Callable[[int], None]] = []
         self.labels: list[str] = []
         self._runs: list | None = None
+        self.profile: np.ndarray | None = None
 
     def add(self, op: Op, label: str) -> None:
         if op.rows < self.rows:         # a run of self.rows would pass its buffers' ends
@@ -60,9 +67,10 @@ class CpuProgram:
         self._runs = None
 
     def compile(self) -> None:
-        """Consecutive ops as one ctypes array each (with their labels, for errors)."""
+        """Consecutive ops as one ctypes array each (with their labels, for errors), each run
+        with the index of its first item."""
         runs, ops = [], []
-        for item, label in zip(self.items + [None], self.labels + [""]):
+        for i, (item, label) in enumerate(zip(self.items + [None], self.labels + [""])):
             if isinstance(item, Op):
                 ops.append((item, label))
                 continue
@@ -72,10 +80,10 @@ class CpuProgram:
                     c.kind = op.kind
                     c.a[:len(op.ints)] = op.ints
                     c.f[:len(op.floats)] = op.floats
-                runs.append((arr, ops))
+                runs.append(((arr, ops), i - len(ops)))
                 ops = []
             if item is not None:
-                runs.append(item)
+                runs.append((item, i))
         self._runs = runs
 
     def run(self, t: int) -> None:
@@ -85,14 +93,26 @@ class CpuProgram:
             self.compile()
         threads = torch.get_num_threads()
         failed = ctypes.c_int64(-1)
-        for run in self._runs:
+        profile = self.profile
+        if profile is not None and profile.shape != (len(self.items),):
+            raise ValueError(f"native program: a profile of {len(self.items)} entries expected, "
+                             f"got {profile.shape}")
+        for run, first in self._runs:
             if callable(run):
+                start = time.perf_counter_ns()
                 with torch.inference_mode():    # (the run itself is entered outside it)
                     run(t)
+                if profile is not None:
+                    profile[first] += time.perf_counter_ns() - start
                 continue
             arr, ops = run
-            rc = self.kernel.run(ctypes.addressof(arr), len(ops), t, threads,
-                                 ctypes.byref(failed))
+            if profile is None:
+                rc = self.kernel.run(ctypes.addressof(arr), len(ops), t, threads,
+                                     ctypes.byref(failed))
+            else:
+                rc = self.kernel.run_timed(ctypes.addressof(arr), len(ops), t, threads,
+                                           ctypes.byref(failed),
+                                           profile.ctypes.data + first * profile.itemsize)
             if rc:
                 op, label = ops[failed.value]
                 if op.kind == OP_GDN:
