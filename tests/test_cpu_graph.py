@@ -150,9 +150,10 @@ def test_a_program_profiles_its_ops_inside_real_steps(tiny_model_dir):  # noqa: 
     prog.profile = np.zeros(len(prog.items))
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0))
     assert (prog.profile > 0).all() and prog.labels[0] == "the embedding"
-    prog.profile = np.zeros(3)
-    with pytest.raises(ValueError, match="a profile of"):
-        prog.run(1)
+    for wrong in (np.zeros(3), np.zeros(len(prog.items), dtype=np.float32)):
+        prog.profile = wrong             # (the library adds doubles into it)
+        with pytest.raises(ValueError, match="a profile of"):
+            prog.run(1)
     bench = Path(__file__).resolve().parents[1] / "bench" / "cpu_profile.py"
     out = subprocess.run([sys.executable, str(bench), "--model", path, "--tokens", "6",
                           "--prompt", "8"], capture_output=True, text=True, timeout=300)

@@ -94,9 +94,11 @@ class CpuProgram:
         threads = torch.get_num_threads()
         failed = ctypes.c_int64(-1)
         profile = self.profile
-        if profile is not None and profile.shape != (len(self.items),):
-            raise ValueError(f"native program: a profile of {len(self.items)} entries expected, "
-                             f"got {profile.shape}")
+        if profile is not None and (profile.shape != (len(self.items),)
+                                    or profile.dtype != np.float64
+                                    or not profile.flags.c_contiguous):
+            raise ValueError(f"native program: a profile of {len(self.items)} float64 entries "
+                             f"expected, got {profile.shape} {profile.dtype}")
         for run, first in self._runs:
             if callable(run):
                 start = time.perf_counter_ns()
