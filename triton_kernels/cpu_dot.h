@@ -730,7 +730,11 @@ static inline void dots(const void *const *w, const void *const *gs, int gshift,
  * rounding is the only change from the float32 path, and it is taken for 16-bit x only (a
  * float32 model keeps that path's sums): |x - sx xq| <= max |x| / 65534 of its group, a
  * 256th of a bf16 ulp of the group's largest element (llama.cpp's q8 activations round to
- * max |x| / 254 per 32). */
+ * max |x| / 254 per 32). Tried and not kept (2026-12-08, an AVX2 build run on the Sapphire
+ * Rapids, one core, rows in L2): i4v's byte split through vpmaddubsw (x's l and h bytes in
+ * blocks of 64, g32's two groups scaled in one vector: 17 ops a 64 weights against 24) ran
+ * 1.1-1.2x at one token but 0.87x at four, its 6 multiplies a 64 weights against these 4;
+ * Zen 3 unmeasured. */
 #if VW == 8 && defined(__AVX2__) && defined(__FMA__)
 #define FT_I4W 1
 #else
@@ -902,7 +906,15 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
  * (a group's G / 8 lanes over its blocks carry c = -8 X / (G / 8) for FT_INT4S, X / (G / 8)
  * for FT_INT4: summed, its m X). x in bytes (i4x_prepare), per block of n elements (128, or
  * a row's last 32, 64 or 96): l of the evens, l of the odds, h of the evens, h of the odds,
- * n / 2 bytes each. */
+ * n / 2 bytes each.
+ * Not faster (measured one core, rows in L2 and from DRAM, 2026-12-08): AMX-INT8 with 16
+ * rows' nibbles as A tiles (masked and shifted into a 2 KB buffer, 32 64-byte stores a 16 x
+ * 128 tile) and x's balanced bytes as B (a group's columns apart; C stored, its columns
+ * gathered, each group scaled): g32 12.9 GB/s of nibbles against this form's 19.9, g128 14.2
+ * against 19.1. The stores alone ran at 37, the per-chunk C readout and scale transposes
+ * halved that, and the tile loads behind the stores cost the rest. This form is issue-bound
+ * (~15 vector ops a 128 weights a row, 2 ports for 512-bit ops); cold it streams at ~9 GB/s a
+ * core against a plain read's 13: compute and DRAM only partly overlap, as for FP8. */
 #define I4V_BLOCK 128
 
 #if FT_I4V
