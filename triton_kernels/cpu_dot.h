@@ -946,6 +946,18 @@ i4v_scales(const void *gs, int64_t g0, int groups, int gshift, int fmt, __m512 *
     }
 }
 
+/* A block's odd elements: each byte's high nibble, in one GFNI affine op (a bit matrix that
+ * moves bits 4-7 to 0-3) where the CPU has it, else a shift and a mask. With the sums' one
+ * chain (i4v_tile) ~13 vector ops a row's block of 128 instead of ~16: a core's g32 rows in
+ * L2 17.2-17.7 -> 19.2-19.6 GB/s of nibbles, from DRAM 8.7-9.1 -> 8.8-9.4 (2026-12-08). */
+static inline __attribute__((always_inline)) __m512i i4v_high_nibbles(__m512i v) {
+#if defined(__GFNI__)
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+    return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+#endif
+}
+
 /* res[r * MAXT + t] = w[r] . x[t] for NR int4 rows in FMT (gs[r]: their scales) and NT
  * tokens in i4v's form (xb[t], x2[t]), k a multiple of 32, groups of 2^gshift >= 32. */
 static inline __attribute__((always_inline)) void
@@ -988,7 +1000,7 @@ i4v_tile(const void *const *w, const void *const *gs, const int gshift, const ui
             __builtin_prefetch(p + PF_BYTES, 0, 1);
             const __m512i v = _mm512_maskz_loadu_epi8(bytes, p);
             const __m512i lo = _mm512_and_si512(v, low);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            const __m512i hi = i4v_high_nibbles(v);
             __m512 s, m;
             i4v_scales(gs[r], j >> gshift, groups, gshift, FMT, &s, &m);
             #pragma GCC unroll 4
@@ -998,11 +1010,11 @@ i4v_tile(const void *const *w, const void *const *gs, const int gshift, const ui
                 const __m512i lo_ = _mm512_maskz_loadu_epi8(bytes, xp + half);
                 const __m512i he = _mm512_maskz_loadu_epi8(bytes, xp + 2 * half);
                 const __m512i ho = _mm512_maskz_loadu_epi8(bytes, xp + 3 * half);
-                __m512i L = _mm512_dpbusd_epi32(_mm512_setzero_si512(), le, lo);
-                L = _mm512_dpbusd_epi32(L, lo_, hi);
-                __m512i H = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, he);
-                H = _mm512_dpbusd_epi32(H, hi, ho);
-                const __m512 u = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(H, 8), L));
+                /* H first, then L summed onto 256 H: one chain, no second zero or add */
+                __m512i u32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, he);
+                u32 = _mm512_slli_epi32(_mm512_dpbusd_epi32(u32, hi, ho), 8);
+                u32 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(u32, le, lo), lo_, hi);
+                const __m512 u = _mm512_cvtepi32_ps(u32);
                 if (FMT == FT_INT4S) {
                     acc[r][t] = _mm512_fmadd_ps(_mm512_fmadd_ps(u, sx[t], c[t]), s, acc[r][t]);
                 } else {
