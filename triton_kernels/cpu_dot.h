@@ -913,7 +913,7 @@ i4w_tile(const void *const *w, const void *const *gs, const int gshift, const in
  * gathered, each group scaled): g32 12.9 GB/s of nibbles against this form's 19.9, g128 14.2
  * against 19.1. The stores alone ran at 37, the per-chunk C readout and scale transposes
  * halved that, and the tile loads behind the stores cost the rest. This form is issue-bound
- * (~15 vector ops a 128 weights a row, 2 ports for 512-bit ops); cold it streams at ~9 GB/s a
+ * (~13 vector ops a 128 weights a row, 2 ports for 512-bit ops); cold it streams at ~9 GB/s a
  * core against a plain read's 13: compute and DRAM only partly overlap, as for FP8. */
 #define I4V_BLOCK 128
 
